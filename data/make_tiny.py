@@ -1,0 +1,149 @@
+"""Regenerate qurl's embedded default: arithmetic problems in GSM8K's format and a tiny, warm-started Qwen2.
+
+    python data/make_tiny.py            # about 2 minutes on 2 CPU cores
+
+Writes data/arith_train.jsonl (20,000 problems), data/arith_test.jsonl (500, disjoint from train) and data/tiny-qwen/
+(a character-level tokenizer and a ~0.5M-parameter Qwen2ForCausalLM). The model is trained with plain supervised
+next-token prediction on the train set, in exactly the prompt format qurl.py uses (`qurl.format_prompt`), and stopped
+as soon as its greedy accuracy on arith_test (measured by `qurl.evaluate`) reaches STOP_AT, so that RL has room to
+improve. The jsonl files are byte-identical on every run (fixed seed); the weights depend on the CPU's float math.
+"""
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers.utils import logging as hf_logging
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+import qurl  # noqa: E402
+
+SEED = 0
+N_TRAIN, N_TEST = 20_000, 500
+STOP_AT = 0.28          # stop at the first evaluation with at least this held-out accuracy (on all 500) ...
+BAND_100 = (0.22, 0.58)  # ... that also keeps the first 100 test problems inside the 20-60 % band the tests check
+EVAL_EVERY, MAX_STEPS, BATCH, LR = 25, 3000, 64, 1e-3
+
+
+def make_problem(rng: random.Random) -> dict:
+    kind = rng.choice(["add", "sub", "mul", "add_sub"])
+    a, b, c = rng.randint(0, 99), rng.randint(0, 99), rng.randint(0, 99)
+    if kind == "add":
+        q, sol, ans = f"What is {a} + {b}?", f"{a}+{b}={a + b}", a + b
+    elif kind == "sub":
+        q, sol, ans = f"What is {a} - {b}?", f"{a}-{b}={a - b}", a - b
+    elif kind == "mul":
+        b = rng.randint(2, 9)
+        q, sol, ans = f"What is {a} * {b}?", f"{a}*{b}={a * b}", a * b
+    else:
+        q, sol, ans = f"What is {a} + {b} - {c}?", f"{a}+{b}={a + b}, {a + b}-{c}={a + b - c}", a + b - c
+    return {"question": q, "answer": f"{sol}\n#### {ans}"}
+
+
+def make_data() -> tuple[list[dict], list[dict]]:
+    rng = random.Random(SEED)
+    test, seen = [], set()
+    while len(test) < N_TEST:
+        p = make_problem(rng)
+        if p["question"] not in seen:
+            seen.add(p["question"])
+            test.append(p)
+    train = []
+    while len(train) < N_TRAIN:
+        p = make_problem(rng)
+        if p["question"] not in seen:  # disjoint from test; repeats within train are fine (few '*' problems exist)
+            train.append(p)
+    return train, test
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def make_tokenizer(out: Path):
+    """Qwen2's own tokenizer class (byte-level BPE) with one token per byte and no merges: a character-level
+    tokenizer that reloads with AutoTokenizer exactly as a real Qwen tokenizer does. <|endoftext|> is EOS and pad."""
+    from transformers import AutoTokenizer
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+    vocab = {"<|endoftext|>": 0}
+    vocab.update({ch: i + 1 for i, ch in enumerate(sorted(ByteLevel.alphabet()))})  # the 256 byte symbols
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], padding_side="left", model_max_length=256)
+    tok.save_pretrained(out)
+    return AutoTokenizer.from_pretrained(out)  # train with exactly what users will load
+
+
+def make_model(vocab_size: int, eos: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=eos, eos_token_id=eos,
+                      pad_token_id=eos)
+    return Qwen2ForCausalLM(cfg)
+
+
+def sft_batch(rows, tok, rng: torch.Generator):
+    """Prompt + answer + EOS, right-padded; loss only on the answer and its EOS."""
+    idx = torch.randint(len(rows), (BATCH,), generator=rng).tolist()
+    seqs, starts = [], []
+    for i in idx:
+        p = tok(qurl.format_prompt(rows[i]["question"], tok), add_special_tokens=False)["input_ids"]
+        a = tok(rows[i]["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        seqs.append(p + a)
+        starts.append(len(p))
+    T = max(map(len, seqs))
+    ids = torch.full((BATCH, T), tok.pad_token_id)
+    labels = torch.full((BATCH, T), -100)
+    am = torch.zeros(BATCH, T, dtype=torch.long)
+    for r, (s, st) in enumerate(zip(seqs, starts)):
+        ids[r, :len(s)] = torch.tensor(s)
+        am[r, :len(s)] = 1
+        labels[r, st:len(s)] = torch.tensor(s[st:])
+    return ids, am, labels
+
+
+def main() -> None:
+    t0 = time.time()
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(SEED)
+    train, test = make_data()
+    write_jsonl(HERE / "arith_train.jsonl", train)
+    write_jsonl(HERE / "arith_test.jsonl", test)
+    out = HERE / "tiny-qwen"
+    tok = make_tokenizer(out)
+    model = make_model(len(tok), tok.eos_token_id)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"data written; model {n_params / 1e6:.2f}M parameters", flush=True)
+    problems = qurl.load_problems(str(HERE / "arith_test.jsonl"))
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    rng = torch.Generator().manual_seed(SEED)
+    acc = acc100 = 0.0
+    for step in range(1, MAX_STEPS + 1):
+        ids, am, labels = sft_batch(train, tok, rng)
+        loss = model(input_ids=ids, attention_mask=am, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % EVAL_EVERY == 0:
+            model.eval()
+            acc100 = qurl.evaluate(model, tok, problems[:100], max_new_tokens=32)["acc"]
+            acc = (acc100 * 100 + qurl.evaluate(model, tok, problems[100:], max_new_tokens=32)["acc"] * 400) / 500
+            model.train()
+            print(f"step {step} loss {loss.item():.3f} held-out acc {acc:.3f} (first 100: {acc100:.2f}) "
+                  f"[{time.time() - t0:.0f}s]", flush=True)
+            if acc >= STOP_AT and BAND_100[0] <= acc100 <= BAND_100[1]:
+                break
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    info = {"params": n_params, "sft_steps": step, "batch": BATCH, "lr": LR, "seconds": round(time.time() - t0, 1),
+            "heldout_acc_500": acc, "heldout_acc_first_100": acc100, "max_new_tokens": 32, "torch": torch.__version__}
+    (out / "warmup.json").write_text(json.dumps(info, indent=1) + "\n")
+    print(json.dumps(info))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1284 @@
+"""qurl: quantized-rollout reinforcement learning for LLM reasoning, in one file.
+
+RL for reasoning spends most of its time generating rollouts. QuRL generates them with a *quantized* copy of the
+actor (W8A8: INT8 through bitsandbytes, or FP8 e4m3 through torch) and trains the *full-precision* actor. The data
+are then slightly off-policy, so the loss has to know about three policies:
+
+    logp_behav  pi_behav  the quantized old actor that sampled the tokens      (recorded by `sample`)
+    logp_prox   pi_prox   the full-precision old actor, before this step's update (`token_logprobs`, no grad)
+    logp        pi_theta  the actor being trained                              (`token_logprobs`, with grad)
+
+Decoupled PPO clips the ratio pi_theta/pi_prox and corrects pi_prox/pi_behav with a truncated importance weight
+(TIS). QuRL's Adaptive Clipping Range (ACR) widens the upper clip bound exactly where truncation shrank the trust
+region, and its invariant scaling makes small RL updates survive re-quantization. QaRL trains through the same
+quantizer the sampler uses (`--align-forward`) and replaces the token loss by a sequence-level trust band (TBPO).
+
+Run (CPU, the embedded tiny model, about 4 minutes on 2 cores):
+    python qurl.py --quant fp8
+    python qurl.py --quant fp8 --dry-run          # check the config, data and model, then exit
+    python qurl.py --bench-rollout --quant fp8    # our sampler vs model.generate, tokens/s
+Run (one GPU, a real Qwen on GSM8K):
+    python qurl.py --model Qwen/Qwen2.5-0.5B-Instruct --train-data openai/gsm8k --test-data openai/gsm8k \
+        --quant fp8 --max-new-tokens 512 --prompts-per-step 32 --group-size 8 --lr 1e-6 --steps 200
+Tests: pytest -q
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+class QurlError(Exception):
+    """A problem with the user's input: main() prints it as one line and exits 2, without a traceback."""
+
+
+def notice(msg: str) -> None:
+    print(f"qurl: {msg}", file=sys.stderr, flush=True)
+
+
+# ======================================================================================================================
+# Arguments
+# ======================================================================================================================
+def arg(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class Args:
+    # model and data
+    model: str = arg("data/tiny-qwen", "model folder or hub name (e.g. Qwen/Qwen2.5-0.5B-Instruct)")
+    train_data: str = arg("data/arith_train.jsonl", "training problems: .jsonl/.json/.parquet file or hub data set")
+    test_data: str = arg("data/arith_test.jsonl", "held-out problems for evaluation (file or hub data set)")
+    data_config: str | None = arg(None, "hub data set config (openai/gsm8k defaults to 'main')")
+    train_split: str = arg("train", "split of a hub training set")
+    test_split: str = arg("test", "split of a hub evaluation set")
+    question_field: str = arg("question", "field holding the problem text")
+    answer_field: str = arg("answer", "field holding the gold answer ('#### 42', '\\boxed{42}' or a bare value)")
+    # quantized rollout
+    quant: str = arg("fp8", "rollout actor precision", choices=["none", "int8", "fp8"])
+    fp8_kernel: str = arg("auto", "FP8 matmul: torch._scaled_mm, dequantize-and-matmul emulation, or auto",
+                          choices=["auto", "scaled_mm", "emulate"])
+    invariant_scale: float | None = arg(None, "QuRL invariant scaling s (default 1.5 with a quantized actor, else 1)")
+    align_forward: bool = arg(False, "QaRL: train through the sampler's quantizer (fake-quant, straight-through)")
+    # objective
+    loss: str = arg("acr", "policy objective", choices=["naive", "tis", "acr", "tbpo"])
+    eps_low: float = arg(0.2, "PPO lower clip: ratio >= 1 - eps_low")
+    eps_high: float = arg(0.28, "PPO upper clip: ratio <= 1 + eps_high (DAPO clip-higher)")
+    is_cap: float = arg(2.0, "truncation C of the importance weight pi_prox/pi_behav")
+    kl_coef: float = arg(0.0, "weight of the k3 KL penalty to the initial actor (0: off, no reference model)")
+    # rollout
+    steps: int = arg(250, "RL steps (one rollout batch and its updates per step)")
+    prompts_per_step: int = arg(16, "distinct problems per step")
+    group_size: int = arg(8, "samples per problem (GRPO group)")
+    max_new_tokens: int = arg(32, "response length limit")
+    temperature: float = arg(1.0, "sampling temperature (0: greedy); log-probs on both sides use logits/T")
+    top_p: float = arg(1.0, "nucleus sampling; < 1 biases the importance ratio (warned)")
+    # optimisation
+    lr: float = arg(1e-4, "AdamW learning rate")
+    ppo_epochs: int = arg(1, "passes over each rollout batch")
+    mini_batches: int = arg(1, "optimizer steps per pass (the batch is split into this many mini-batches)")
+    max_grad_norm: float = arg(1.0, "gradient clipping norm")
+    skip_zero_adv: bool = arg(True, "leave groups whose rewards are all equal (zero advantage) out of the update")
+    micro_batch: int = arg(64, "rows per forward in token_logprobs (memory knob, no effect on the math)")
+    # evaluation, logging, checkpoints
+    eval_every: int = arg(50, "evaluate the fp actor (greedy) every N steps, and at the end")
+    eval_size: int = arg(500, "held-out problems per evaluation (0: all)")
+    eval_batch: int = arg(256, "rows per evaluation batch")
+    log_every: int = arg(10, "print a progress line every N steps")
+    save_every: int = arg(50, "write a checkpoint every N steps (and on Ctrl-C)")
+    max_bad_steps: int = arg(3, "stop after this many non-finite updates in a row")
+    seed: int = arg(1, "seeds python, torch, the data order and the sampler")
+    device: str = arg("auto", "cpu, cuda or auto")
+    dtype: str = arg("auto", "model dtype: auto (bf16 on cuda, fp32 on cpu), float32, bfloat16, float16")
+    out_dir: str = arg("runs", "where runs/<run-name>/ is written")
+    run_name: str | None = arg(None, "run folder name (default: <quant>-<loss>-s<seed>)")
+    resume: str | None = arg(None, "continue the run in this folder from its checkpoint")
+    overwrite: bool = arg(False, "replace an existing run folder")
+    # other modes
+    dry_run: bool = arg(False, "print the resolved config, model size, data and one prompt, then exit")
+    bench_rollout: bool = arg(False, "benchmark sample() against model.generate and exit")
+    model_config: str | None = arg(None, "bench a published architecture with random weights (see MODEL_CONFIGS)")
+    bench_batch: str = arg("128", "bench batch sizes, comma separated (rows = prompts x group)")
+    bench_len: int = arg(32, "bench response length")
+    bench_runs: int = arg(5, "bench repetitions (the median is reported)")
+    plot: list[str] | None = arg(None, "draw these run folders' metrics into --out and exit", nargs="+")
+    out: str = arg("assets/runs.png", "output file of --plot")
+
+
+def parse_args(argv=None) -> Args:
+    """argparse generated from the Args dataclass: each field's help is its one-line doc."""
+    p = argparse.ArgumentParser(prog="qurl.py", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.error = lambda msg: _die(f"{msg} (see python qurl.py --help)")  # one line, no usage dump
+    for f in dataclasses.fields(Args):
+        name, meta = "--" + f.name.replace("_", "-"), dict(f.metadata)
+        kind = f.type if isinstance(f.type, str) else str(f.type)
+        if kind == "bool":
+            p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
+            continue
+        base = {"int": int, "float": float}.get(kind.split(" ")[0], str)
+        p.add_argument(name, type=base, default=f.default, help=meta["help"], choices=meta.get("choices"),
+                       nargs=meta.get("nargs"))
+    args = Args(**vars(p.parse_args(argv)))
+    msg = validate_args(args)
+    if msg:
+        _die(msg)
+    return args
+
+
+def validate_args(a: Args) -> str | None:
+    """Return a one-line complaint about the first out-of-range value, or None."""
+    checks = [
+        (a.group_size >= 2, f"--group-size must be >= 2 (a GRPO group needs two samples to compare), got {a.group_size}"),
+        (a.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {a.prompts_per_step}"),
+        (a.temperature >= 0, f"--temperature must be >= 0 (0 is greedy), got {a.temperature}"),
+        (0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}"),
+        (0 <= a.eps_low < 1, f"--eps-low must be in [0, 1), got {a.eps_low}"),
+        (a.eps_high >= 0, f"--eps-high must be >= 0, got {a.eps_high}"),
+        (a.is_cap >= 1, f"--is-cap must be >= 1 (it truncates pi_prox/pi_behav; FlashRL uses 2), got {a.is_cap}"),
+        (a.invariant_scale is None or a.invariant_scale > 0,
+         f"--invariant-scale must be > 0 (1 disables it; the paper uses 1.5), got {a.invariant_scale}"),
+        (a.lr > 0, f"--lr must be > 0, got {a.lr}"),
+        (a.kl_coef >= 0, f"--kl-coef must be >= 0, got {a.kl_coef}"),
+        (a.steps >= 0, f"--steps must be >= 0, got {a.steps}"),
+        (a.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {a.max_new_tokens}"),
+        (a.ppo_epochs >= 1 and a.mini_batches >= 1, "--ppo-epochs and --mini-batches must be >= 1"),
+        (a.mini_batches <= a.prompts_per_step * a.group_size, "--mini-batches exceeds the rows of a step"),
+        (a.micro_batch >= 1 and a.eval_batch >= 1, "--micro-batch and --eval-batch must be >= 1"),
+        (a.eval_every >= 1 and a.log_every >= 1 and a.save_every >= 1, "--eval/log/save-every must be >= 1"),
+        (a.eval_size >= 0, f"--eval-size must be >= 0, got {a.eval_size}"),
+        (a.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {a.max_grad_norm}"),
+        (a.max_bad_steps >= 1, "--max-bad-steps must be >= 1"),
+        (a.device in ("auto", "cpu", "cuda") or a.device.startswith("cuda:"), f"--device: unknown '{a.device}'"),
+        (a.dtype in ("auto", "float32", "bfloat16", "float16"), f"--dtype: unknown '{a.dtype}'"),
+        (not (a.align_forward and a.quant == "none"), "--align-forward needs a quantizer: add --quant int8 or fp8"),
+        (a.bench_len >= 1 and a.bench_runs >= 1, "--bench-len and --bench-runs must be >= 1"),
+        (all(s.strip().isdigit() and int(s) > 0 for s in a.bench_batch.split(",")),
+         f"--bench-batch must be positive integers separated by commas, got '{a.bench_batch}'"),
+    ]
+    return next((msg for ok, msg in checks if not ok), None)
+
+
+def _die(msg: str) -> None:
+    print(f"qurl: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+# ======================================================================================================================
+# Data and reward
+# ======================================================================================================================
+def load_problems(spec: str, split: str = "train", question_field: str = "question", answer_field: str = "answer",
+                  config: str | None = None) -> list[dict]:
+    """Problems as [{"question": str, "gold": str}] from a local .jsonl/.json/.parquet file or a hub data set.
+
+    .jsonl is read line by line so that an error names the line; .json, .parquet and hub sets go through `datasets`.
+    The gold answer is `extract_answer(answer_field)`: GSM8K's '#### 42', MATH's '\\boxed{42}' or a bare value.
+    """
+    path = Path(spec)
+    local = path.suffix in (".jsonl", ".json", ".parquet") or path.exists() or spec.startswith((".", "/"))
+    if local:
+        if not path.is_file():
+            raise QurlError(f"data file not found: {spec}")
+        if path.suffix == ".jsonl":
+            rows = []
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append((f"{spec}:{i}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise QurlError(f"{spec}:{i}: malformed JSON line ({e.msg}); fix or delete that line") from None
+        elif path.suffix in (".json", ".parquet"):
+            import datasets
+            datasets.disable_progress_bars()
+            try:
+                ds = datasets.load_dataset("json" if path.suffix == ".json" else "parquet", data_files=str(path),
+                                           split="train")
+            except Exception as e:
+                raise QurlError(f"{spec}: cannot be read as {path.suffix[1:]} ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0][:200]})") from None
+            rows = [(f"{spec} row {i + 1}", r) for i, r in enumerate(ds)]
+        else:
+            raise QurlError(f"{spec}: unknown data format '{path.suffix}'; use .jsonl, .json or .parquet")
+    else:
+        rows = _load_hub_rows(spec, split, config)
+    problems = []
+    for where, r in rows:
+        if not isinstance(r, dict):
+            raise QurlError(f"{where}: expected a JSON object, got {type(r).__name__}")
+        for key in (question_field, answer_field):
+            if key not in r:
+                raise QurlError(f"{where}: missing field '{key}' (has {sorted(r)}); "
+                                f"set --question-field / --answer-field")
+        gold = extract_answer(str(r[answer_field]))
+        if gold is None:
+            raise QurlError(f"{where}: gold answer does not parse: {str(r[answer_field])[-80:]!r}")
+        problems.append({"question": str(r[question_field]), "gold": gold})
+    if not problems:
+        raise QurlError(f"{spec}: no problems found (empty data set)")
+    return problems
+
+
+def _load_hub_rows(name: str, split: str, config: str | None):
+    import datasets
+    datasets.disable_progress_bars()
+    if config is None and name.endswith("gsm8k"):
+        config = "main"
+    try:
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as e:
+        text = f"{type(e).__name__}: {e}"
+        if "Offline" in text or "offline" in text or "resolve" in text or "Connection" in text:
+            raise QurlError(f"cannot load hub data set '{name}': no network (offline); pass a local "
+                            f".jsonl/.json/.parquet file, e.g. data/arith_train.jsonl") from None
+        raise QurlError(f"cannot load data set '{name}' (not a local file either): {text.splitlines()[0][:200]}") \
+            from None
+    return [(f"{name}[{split}] row {i + 1}", r) for i, r in enumerate(ds)]
+
+
+SYSTEM_PROMPT = "Solve the problem step by step. Put the final answer, a number only, after '####' on the last line."
+
+
+def format_prompt(question: str, tokenizer) -> str:
+    """The chat template when the tokenizer has one (instruct models), else the plain format of the tiny model."""
+    if getattr(tokenizer, "chat_template", None):
+        msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return f"Q: {question}\nA: "
+
+
+_NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
+
+
+def _last_number(text: str) -> str | None:
+    nums = _NUM.findall(text)
+    return nums[-1] if nums else None
+
+
+def _boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...}, braces balanced."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        return None
+    depth, j = 0, i
+    while j < len(text):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+        j += 1
+    return None
+
+
+def _normalize(ans: str) -> str:
+    """'$1,234.50' -> '1234.5', '\\frac{3}{4}' -> '3/4', '-12 apples' -> '-12'; non-numeric text -> lowercased."""
+    s = ans.strip().replace("\\!", "").replace("$", "").replace("\\%", "").replace("%", "")
+    s = re.sub(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", s)
+    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s).replace("−", "-")
+    m = re.fullmatch(r"\s*\(?(-?[\d,]*\.?\d+)\)?\s*/\s*\(?(\d+)\)?\s*", s)
+    num = (m.group(1) + "/" + m.group(2)) if m else _last_number(s) if re.search(r"\d", s) else None
+    if num is None:
+        return re.sub(r"\s+", " ", s).strip().strip(".").lower()
+    num = num.replace(",", "").replace(" ", "")
+    try:
+        value = Fraction(num)
+    except (ValueError, ZeroDivisionError):
+        return num
+    if value.denominator == 1:
+        return str(value.numerator)
+    dec = float(value)
+    return (f"{value.numerator}/{value.denominator}" if "/" in num else repr(dec).rstrip("0").rstrip("."))
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a completion: '#### 42', then '\\boxed{42}', then 'the answer is 42', else the last number."""
+    if "####" in text:
+        tail = text.rsplit("####", 1)[1].strip().split("\n")[0]
+        return _normalize(tail) if tail else None
+    boxed = _boxed(text)
+    if boxed is not None and boxed.strip():
+        return _normalize(boxed)
+    m = re.search(r"answer is[:\s]*\$?\s*(-?[\d,]*\.?\d+(?:\s*/\s*\d+)?)", text, flags=re.IGNORECASE)
+    if m:
+        return _normalize(m.group(1))
+    last = _last_number(text)
+    return _normalize(last) if last is not None else None
+
+
+def _as_number(s: str) -> Fraction | None:
+    try:
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def reward(completion: str, gold: str) -> float:
+    """1.0 when the completion's final answer equals the gold answer (numerically, 3.50 == 3.5), else 0.0."""
+    pred = extract_answer(completion)
+    if pred is None:
+        return 0.0
+    gold = _normalize(gold)
+    a, b = _as_number(pred), _as_number(gold)
+    if a is not None and b is not None:
+        return float(a == b)
+    return float(pred == gold)
+
+
+# ======================================================================================================================
+# Model
+# ======================================================================================================================
+def resolve_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise QurlError("CUDA was requested but torch sees no CUDA device (CPU build or no driver); use --device cpu")
+    dev = torch.device(device)
+    if dtype == "auto":
+        dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    return dev, getattr(torch, dtype)
+
+
+def load_model(name_or_path: str = "data/tiny-qwen", device="cpu", dtype=torch.float32):
+    """(model, tokenizer) through AutoModelForCausalLM / AutoTokenizer; left padding and a pad token are ensured."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    p = Path(name_or_path)
+    if not p.is_dir() and not (HERE / name_or_path).is_dir() and (name_or_path.startswith((".", "/"))
+                                                                    or name_or_path.count("/") != 1):
+        raise QurlError(f"model not found: '{name_or_path}' is not a folder, nor a hub name like Qwen/Qwen2.5-0.5B")
+    if not p.is_dir() and (HERE / name_or_path).is_dir():
+        name_or_path = str(HERE / name_or_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    except OSError as e:
+        if not Path(name_or_path).is_dir():
+            raise QurlError(f"cannot load '{name_or_path}' from the hub (offline or no such model): use a local "
+                            f"folder such as data/tiny-qwen") from None
+        raise QurlError(f"cannot load model folder '{name_or_path}': {str(e).splitlines()[0][:200]}") from None
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model.to(device)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model, tok
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """EOS ids: the tokenizer's plus the generation config's (Qwen instruct stops on <|im_end|> too)."""
+    ids = {tokenizer.eos_token_id}
+    g = getattr(model.generation_config, "eos_token_id", None)
+    ids |= set(g if isinstance(g, (list, tuple)) else [g] if g is not None else [])
+    return sorted(i for i in ids if i is not None)
+
+
+# ======================================================================================================================
+# Quantization: W8A8 FP8 (torch) and INT8 (bitsandbytes), weight sync, invariant scaling, rollout-aligned forward
+# ======================================================================================================================
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel FP8: w ~= w8 * scale[:, None], scale = amax|w_row| / 448 (QuRL Sec. 3, W8A8 FP8)."""
+    scale = w.float().abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    w8 = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # clamp: cast may not saturate
+    return w8, scale
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """LLM.int8 vector-wise INT8 (bitsandbytes): w ~= w8 * absmax[:, None] / 127. Returns (w8, absmax): bnb's
+    convention keeps the row absmax, not the step, because int8_mm_dequant multiplies by absmax_x*absmax_w/127^2."""
+    import bitsandbytes.functional as bnbF
+    w8, absmax, _ = bnbF.int8_vectorwise_quant(w.detach().to(torch.float16).contiguous(), threshold=0.0)
+    return w8, absmax
+
+
+def _fp8_act(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token dynamic FP8 activation quantization: x ~= x8 * s_x[:, None]."""
+    s_x = x2.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (x2.float() / s_x).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s_x
+
+
+def fp8_kernel_for(device: torch.device, shape: tuple[int, int], prefer: str = "auto") -> str:
+    """'scaled_mm' where torch._scaled_mm runs (CPU; CUDA with compute capability >= 8.9) and the dims are multiples
+    of 16, else 'emulate': dequantize-and-matmul with the same numerics (an A100, odd shapes, or --fp8-kernel emulate)."""
+    if prefer == "emulate" or shape[0] % 16 or shape[1] % 16:
+        return "emulate"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return "emulate"
+    return "scaled_mm"
+
+
+_NOTICED: set[str] = set()
+
+
+def _notice_once(key: str, msg: str) -> None:
+    if key not in _NOTICED:
+        _NOTICED.add(key)
+        notice(msg)
+
+
+class QuantLinear(nn.Module):
+    """W8A8 drop-in for nn.Linear: 8-bit weight codes with per-output-channel scales, activations quantized per
+    token on the fly, bias kept in full precision. fmt 'fp8' (e4m3) or 'int8' (bitsandbytes LLM.int8, threshold 0)."""
+
+    def __init__(self, linear: nn.Linear, fmt: str, fp8_kernel: str = "auto"):
+        super().__init__()
+        assert fmt in ("fp8", "int8"), fmt
+        self.fmt, self.in_features, self.out_features = fmt, linear.in_features, linear.out_features
+        w = linear.weight.detach()
+        self.register_buffer("weight_q", torch.empty(w.shape, dtype=torch.int8, device=w.device))
+        self.register_buffer("weight_scale", torch.empty(w.shape[0], dtype=torch.float32, device=w.device))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.kernel = "bnb" if fmt == "int8" else fp8_kernel_for(w.device, tuple(w.shape), fp8_kernel)
+        if fmt == "fp8" and self.kernel == "emulate" and fp8_kernel != "emulate":
+            _notice_once("fp8-fallback", "FP8: torch._scaled_mm needs CUDA compute capability >= 8.9 and dims that "
+                                         "are multiples of 16; using dequantize-and-matmul (same numerics, slower)")
+        self.load_weight(w)
+
+    @torch.no_grad()
+    def load_weight(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> int:
+        """Re-quantize from full-precision weights; returns how many 8-bit codes changed."""
+        q, s = quantize_fp8(w) if self.fmt == "fp8" else quantize_int8(w)
+        old = self.weight_q.view(torch.uint8) if self.weight_q.dtype != torch.int8 else self.weight_q
+        new = q.view(torch.uint8) if q.dtype != torch.int8 else q
+        changed = int((old.view(torch.uint8) != new.view(torch.uint8)).sum()) if old.dtype == new.dtype else q.numel()
+        self.weight_q, self.weight_scale = q, s.float()
+        if bias is not None:
+            self.bias.copy_(bias)
+        return changed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if self.fmt == "int8":
+            import bitsandbytes.functional as bnbF
+            x8, s_x, _ = bnbF.int8_vectorwise_quant(x2.to(torch.float16).contiguous(), threshold=0.0)
+            acc = bnbF.int8_linear_matmul(x8, self.weight_q)                  # int32 = x8 @ w8^T
+            y = bnbF.int8_mm_dequant(acc, s_x, self.weight_scale).to(x.dtype)  # * absmax_x*absmax_w/127^2
+        else:
+            x8, s_x = _fp8_act(x2)
+            if self.kernel == "scaled_mm":
+                y = torch._scaled_mm(x8, self.weight_q.t(), scale_a=s_x, scale_b=self.weight_scale[None, :],
+                                     out_dtype=x.dtype)
+            else:  # same numerics: fp8 codes are exact in fp32, products accumulated in fp32
+                y = ((x8.float() @ self.weight_q.float().t()) * s_x * self.weight_scale).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, fmt={self.fmt}, kernel={self.kernel}"
+
+
+def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The linears QuRL quantizes: those inside decoder layers. Embeddings, norms and lm_head stay full precision."""
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, (nn.Linear, QuantLinear)) and ".layers." in f".{n}"]
+
+
+def quantize_actor(model: nn.Module, fmt: str, fp8_kernel: str = "auto") -> nn.Module:
+    """A frozen copy of the model whose decoder-layer linears are W8A8 QuantLinear (1 byte per weight)."""
+    if fmt == "int8":
+        _require_bnb()
+    q_model = copy.deepcopy(model).eval().requires_grad_(False)
+    for name, lin in decoder_linears(q_model):
+        parent, _, child = name.rpartition(".")
+        setattr(q_model.get_submodule(parent), child, QuantLinear(lin, fmt, fp8_kernel))
+    return q_model
+
+
+def _require_bnb() -> None:
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise QurlError("--quant int8 needs bitsandbytes >= 0.46 (pip install 'bitsandbytes>=0.46'); "
+                        "or use --quant fp8") from None
+    major, minor = (int(v) for v in bitsandbytes.__version__.split(".")[:2])
+    if (major, minor) < (0, 46):
+        raise QurlError(f"--quant int8 needs bitsandbytes >= 0.46 for its CPU ops, found {bitsandbytes.__version__}"
+                        f" (pip install -U bitsandbytes); or use --quant fp8")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
+def quant_bytes(q_model: nn.Module) -> tuple[int, int]:
+    """(bytes of 8-bit codes + scales, parameters they replace)."""
+    qls = [m for m in q_model.modules() if isinstance(m, QuantLinear)]
+    codes = sum(m.weight_q.numel() * m.weight_q.element_size() + m.weight_scale.numel() * 4 for m in qls)
+    return codes, sum(m.weight_q.numel() for m in qls)
+
+
+@torch.no_grad()
+def sync_weights(q_model: nn.Module, model: nn.Module) -> float:
+    """Quantized actor <- fp actor: re-quantize every QuantLinear, copy everything else. Returns the flip rate, the
+    fraction of 8-bit weight codes that changed (QuRL's weight-update problem: tiny updates often flip none)."""
+    fp = dict(model.named_modules())
+    changed = total = 0
+    for name, qm in q_model.named_modules():
+        if isinstance(qm, QuantLinear):
+            changed += qm.load_weight(fp[name].weight, fp[name].bias)
+            total += qm.weight_q.numel()
+    fp_params = dict(model.named_parameters())
+    for name, p in q_model.named_parameters():
+        p.copy_(fp_params[name])
+    return changed / max(total, 1)
+
+
+_NORMS = ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm")
+
+
+@torch.no_grad()
+def invariant_scale(model: nn.Module, s: float) -> None:
+    """QuRL's update-aware rescale, once before RL: W x = (W / s)(s x). q/k/v and gate/up weights are divided by s,
+    the RMSNorm weights feeding them multiplied by s. The fp function is unchanged; the weights' quantization step
+    shrinks by s while an Adam update keeps its size, so s times more updates survive re-quantization."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise QurlError(f"invariant_scale: {type(model).__name__} has no model.layers; it supports Qwen2, Qwen3 "
+                        f"and Llama-style decoders. Use --invariant-scale 1")
+    for layer in layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        groups = [("input_layernorm", attn, ("q_proj", "k_proj", "v_proj")),
+                  ("post_attention_layernorm", mlp, ("gate_proj", "up_proj"))]
+        for norm_name, block, projs in groups:
+            norm = getattr(layer, norm_name, None)
+            if (norm is None or type(norm).__name__ not in _NORMS or block is None
+                    or not all(isinstance(getattr(block, p, None), nn.Linear) for p in projs)):
+                raise QurlError(f"invariant_scale: layer {type(layer).__name__} is not a recognised pre-norm "
+                                f"(RMSNorm -> {'/'.join(projs)}) layer; supported: Qwen2, Qwen3, Llama. "
+                                f"Use --invariant-scale 1")
+    for layer in layers:
+        for norm_name, block, projs in [("input_layernorm", layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                                        ("post_attention_layernorm", layer.mlp, ("gate_proj", "up_proj"))]:
+            getattr(layer, norm_name).weight.mul_(s)   # s x   (RMSNorm output is linear in its weight)
+            for p in projs:
+                getattr(block, p).weight.div_(s)        # W / s (bias unchanged: (W/s)(s x) + b = W x + b)
+
+
+def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Per-row (last dim) symmetric quantize-dequantize in the sampler's numerics, straight-through gradient
+    (QaRL's rollout-aligned forward): the value is quantized, the gradient is the identity."""
+    if fmt == "fp8":
+        s = x.detach().float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+        q = (x.detach().float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s
+    else:  # bitsandbytes' int8_vectorwise_quant: fp16 input, round(x * 127 / absmax)
+        xh = x.detach().to(torch.float16).float()
+        absmax = xh.abs().amax(dim=-1, keepdim=True)
+        q = torch.round(xh * (127.0 / absmax)) * (absmax / 127.0)
+        q = torch.nan_to_num(q)  # an all-zero row
+    return x + (q.to(x.dtype) - x).detach()
+
+
+def _aligned_linear_forward(lin: nn.Linear, fmt: str, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(fake_quant(x, fmt), fake_quant(lin.weight, fmt), lin.bias)
+
+
+@contextmanager
+def rollout_aligned(model: nn.Module, fmt: str | None):
+    """Within this block the fp actor's decoder linears compute in the sampler's W8A8 numerics (fake-quantized
+    weights and per-token activations, straight-through gradients to the fp weights). fmt None: a no-op."""
+    lins = [m for _, m in decoder_linears(model)] if fmt else []
+    for lin in lins:
+        lin.forward = lambda x, lin=lin: _aligned_linear_forward(lin, fmt, x)
+    try:
+        yield model
+    finally:
+        for lin in lins:
+            del lin.forward
+
+
+# ======================================================================================================================
+# Rollout: a batched KV-cache sampler that records the behaviour log-probs
+# ======================================================================================================================
+@dataclass
+class Rollout:
+    input_ids: torch.Tensor       # (B, P+R) left-padded prompt, then the response (pad after the first EOS)
+    attention_mask: torch.Tensor  # (B, P+R) 0 on left padding
+    response_mask: torch.Tensor   # (B, R) 1 on generated tokens up to and including the first EOS (by position)
+    logp_behav: torch.Tensor      # (B, R) log-prob of each sampled token under the distribution it was drawn from
+    prompt_len: int               # P, the padded prompt width; response token r sits at column P + r
+    texts: list[str]              # decoded responses (up to the first EOS)
+    truncated: torch.Tensor       # (B,) True where no EOS came within max_new_tokens
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token and its log-prob under the distribution it is drawn from (softmax(logits / T), optional top-p)."""
+    if temperature == 0:  # greedy; its log-prob is reported at T = 1 (a point mass has none worth training on)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        tok = logp.argmax(dim=-1)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_lp, idx = logp.sort(dim=-1, descending=True)
+        drop = sorted_lp.exp().cumsum(-1) - sorted_lp.exp() >= top_p   # keep the smallest set with mass >= top_p
+        sorted_lp = sorted_lp.masked_fill(drop, -math.inf)
+        logp = torch.full_like(logp, -math.inf).scatter(-1, idx, sorted_lp)
+        logp = torch.log_softmax(logp, dim=-1)
+    tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
+           top_p: float = 1.0, generator: torch.Generator | None = None, ignore_eos: bool = False,
+           drop_frac: float = 0.25) -> Rollout:
+    """n samples of each prompt, one token per step for the whole batch with a KV cache.
+
+    Each distinct prompt is prefilled once and its cache expanded to its n samples. Finished rows are dropped from
+    the batch (cache included) once at least `drop_frac` of the live rows are done, so they stop costing compute.
+    Positions come from the cumulative attention mask, so left padding does not shift RoPE.
+    """
+    from transformers import DynamicCache
+    if top_p < 1.0:
+        _notice_once("top-p", "top_p < 1 truncates the sampler's distribution; the training side uses the full "
+                              "softmax, so the importance ratio pi_prox/pi_behav is biased")
+    device = next(model.parameters()).device
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    ids, am = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    P, B = ids.shape[1], len(prompts) * n
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and int(am.sum(-1).max()) + max_new_tokens > limit:
+        raise QurlError(f"prompt of {int(am.sum(-1).max())} tokens + {max_new_tokens} new tokens exceeds the model's "
+                        f"context of {limit}; shorten the prompts or lower --max-new-tokens")
+    stops = torch.tensor(stop_token_ids(model, tokenizer), device=device)
+    pad = tokenizer.pad_token_id
+    cache = DynamicCache(config=model.config)
+    pos = (am.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=am, position_ids=pos, cache=cache, use_cache=True,
+                   logits_to_keep=1).logits[:, -1]
+    # expand each prompt's cache to its n samples: rows [i*n, (i+1)*n) belong to prompt i
+    cache.batch_repeat_interleave(n)
+    logits, am = logits.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
+    next_pos = am.sum(-1)                                              # position of the next token
+    tokens = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
+    logp_out = torch.zeros(B, max_new_tokens, device=device)
+    end = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)   # index of the first EOS
+    live = torch.arange(B, device=device)                              # batch row -> output row
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    steps_run = 0
+    for t in range(max_new_tokens):
+        tok, lp = _pick(logits, temperature, top_p, generator)
+        tok = torch.where(done, pad, tok)
+        tokens[live, t], logp_out[live, t] = tok, lp
+        steps_run = t + 1
+        if not ignore_eos:
+            fin = torch.isin(tok, stops) & ~done
+            end[live] = torch.where(fin, t, end[live])
+            done = done | fin
+        if t == max_new_tokens - 1:
+            break
+        n_done = int(done.sum()) if not ignore_eos else 0   # the one host sync per step
+        if n_done == len(live):
+            break
+        if n_done and n_done >= drop_frac * len(live):       # drop finished rows from the batch and the cache
+            keep = (~done).nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            live, tok, am, next_pos, done = live[keep], tok[keep], am[keep], next_pos[keep], done[keep]
+        am = torch.cat([am, am.new_ones(len(live), 1)], dim=1)
+        logits = model(input_ids=tok[:, None], attention_mask=am, position_ids=next_pos[:, None], cache=cache,
+                       use_cache=True).logits[:, -1]
+        next_pos = next_pos + 1
+    R = steps_run
+    tokens, logp_out = tokens[:, :R], logp_out[:, :R]
+    response_mask = (torch.arange(R, device=device)[None, :] <= end[:, None]).float()
+    tokens = tokens.masked_fill(response_mask == 0, pad)
+    logp_out = logp_out * response_mask
+    full_am = torch.cat([enc["attention_mask"].to(device).repeat_interleave(n, 0), torch.ones_like(tokens)], dim=1)
+    texts = tokenizer.batch_decode([row[m.bool()].tolist() for row, m in zip(tokens, response_mask)],
+                                   skip_special_tokens=True)
+    return Rollout(input_ids=torch.cat([ids.repeat_interleave(n, 0), tokens], dim=1), attention_mask=full_am,
+                   response_mask=response_mask, logp_behav=logp_out, prompt_len=P, texts=texts,
+                   truncated=end >= max_new_tokens)
+
+
+# ======================================================================================================================
+# Log-probs: teacher-forced, same temperature scaling as the sampler
+# ======================================================================================================================
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                   temperature: float = 1.0, micro_batch: int = 64) -> torch.Tensor:
+    """(B, R) log-probs of the response tokens (the last R columns) under log_softmax(logits / T), in micro-batches;
+    differentiable when called under grad. Only the R+1 last positions go through lm_head."""
+    R = response_mask.shape[1]
+    temp = temperature if temperature > 0 else 1.0  # greedy rollouts are scored at T = 1, as `sample` records them
+    out = []
+    for i in range(0, input_ids.shape[0], micro_batch):
+        ids, am = input_ids[i:i + micro_batch], attention_mask[i:i + micro_batch]
+        pos = (am.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False,
+                       logits_to_keep=R + 1).logits[:, :-1]    # position j predicts token j + 1
+        logp = torch.log_softmax(logits.float() / temp, dim=-1)
+        out.append(logp.gather(-1, ids[:, -R:, None]).squeeze(-1))
+    return torch.cat(out) * response_mask
+
+
+# ======================================================================================================================
+# Advantages and losses
+# ======================================================================================================================
+def group_advantages(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
+    """GRPO: A_i = (R_i - mean_group R) / (std_group R + 1e-6), std unbiased (as TRL). Also counts the groups
+    whose rewards are all equal: they carry no learning signal."""
+    r = rewards.float().view(-1, group_size)
+    std = r.std(dim=1, keepdim=True)
+    adv = (r - r.mean(dim=1, keepdim=True)) / (std + 1e-6)
+    return adv.view(-1), int((std.squeeze(1) == 0).sum())
+
+
+LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps a runaway log-ratio finite before exp
+
+
+def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.Tensor, adv: torch.Tensor,
+                mask: torch.Tensor, loss: str = "acr", eps_low: float = 0.2, eps_high: float = 0.28,
+                is_cap: float = 2.0, tbpo_band: tuple[float, float, float] = (3e-4, 4e-4, 7e-4)):
+    """The policy objective over (B, T) token log-probs of the three policies, adv (B,), mask (B, T).
+
+    naive: PPO clip of pi_theta/pi_behav.   tis: decoupled PPO with w = min(pi_prox/pi_behav, C).
+    acr:   tis with QuRL's adaptive upper bound.   tbpo: QaRL's sequence-level trust band.
+    Token losses are a token mean over the batch (DAPO); tbpo a mean over kept sequences. Masked tokens and
+    dropped sequences leave the denominator. Returns (loss, metrics of floats).
+    """
+    mask = mask.float()
+    n_tok = mask.sum().clamp(min=1.0)
+    A = adv.float()[:, None]
+    d = (logp_prox - logp_behav).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # log pi_prox/pi_behav
+    k3 = d.exp() - 1 - d                       # k3 estimate of KL(pi_behav || pi_prox) from samples of pi_behav
+    m = {"mismatch/kl": float((k3 * mask).sum() / n_tok),
+         "mismatch/logp_absdiff": float((d.abs() * mask).sum() / n_tok),
+         "mismatch/ratio_max": float(d.masked_fill(mask == 0, -math.inf).max().exp()) if mask.any() else 1.0,
+         "loss/entropy": float(-(logp.detach() * mask).sum() / n_tok)}   # sampled-token estimate of the entropy
+
+    if loss == "tbpo":
+        lo, hi_pos, hi_neg = tbpo_band
+        n_seq = mask.sum(1)
+        denom = n_seq.clamp(min=1.0)
+        log_s = ((logp - logp_prox) * mask).sum(1) / denom   # QaRL: s_i = exp(mean_t log pi_theta/pi_prox), GSPO-style
+        s = log_s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()   # geometric mean, not a sum (TRL #5814)
+        w = ((d * mask).sum(1) / denom).exp()            # sequence mismatch w_i = exp(mean_t log pi_prox/pi_behav)
+        keep = (n_seq > 0) & (w >= 0.5) & (w <= 2.0)     # QaRL: drop sequences outside [1/2, 2]
+        w_hat = w.clamp(max=2.0)                          # QaRL: w_hat = min(w, 2)
+        a = adv.float()
+        pos = torch.minimum(s * a, s.clamp(1 - lo, 1 + hi_pos) * a)  # A >= 0: PPO-style clip [1-3e-4, 1+4e-4]
+        neg = s.clamp(1 - lo, 1 + hi_neg) * a                         # A < 0: two-sided trust band [1-3e-4, 1+7e-4]
+        per_seq = -w_hat * torch.where(a >= 0, pos, neg)
+        k = keep.float()
+        n_keep = k.sum().clamp(min=1.0)
+        out = (per_seq * k).sum() / n_keep
+        sd = s.detach()
+        m.update({"loss/policy": float(out), "tbpo/kept": float(k.mean()),
+                  "clip/low": float(((sd < 1 - lo) * k).sum() / n_keep),
+                  "clip/high": float((((a >= 0) & (sd > 1 + hi_pos) | (a < 0) & (sd > 1 + hi_neg)) * k).sum()
+                                     / n_keep),
+                  "clip/acr_upper": 1 + hi_pos})
+        return out, m
+
+    if loss == "naive":
+        ratio = (logp - logp_behav).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # pi_theta / pi_behav
+        w = torch.ones_like(ratio)
+        upper = torch.full_like(ratio, 1 + eps_high)
+    else:
+        ratio = (logp - logp_prox).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()   # R = pi_theta / pi_prox
+        w = d.exp().clamp(max=is_cap)                 # TIS (FlashRL): w = min(pi_prox / pi_behav, C), no grad
+        if loss == "acr":
+            r = (is_cap * (-d).exp()).clamp(max=1.0)  # QuRL Eq. 9: r = min(1, C pi_behav / pi_prox)
+            upper = (1 + eps_high) / r                # QuRL Eq. 9: upper bound (1 + eps_high) / r
+        else:
+            upper = torch.full_like(ratio, 1 + eps_high)
+    clipped = torch.minimum(torch.maximum(ratio, torch.full_like(ratio, 1 - eps_low)), upper)
+    pg = -w * torch.minimum(ratio * A, clipped * A)  # PPO: -min(R A, clip(R, 1-eps_low, upper) A)
+    out = (pg * mask).sum() / n_tok
+    rd = ratio.detach()
+    m.update({"loss/policy": float(out),
+              "clip/low": float((((rd < 1 - eps_low) & (A < 0)) * mask).sum() / n_tok),
+              "clip/high": float((((rd > upper) & (A > 0)) * mask).sum() / n_tok),
+              "clip/acr_upper": float((upper * mask).sum() / n_tok)})
+    return out, m
+
+
+def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """k3 estimate of KL(pi_theta || pi_ref), token mean (Schulman's k3, as GRPO)."""
+    d = (logp_ref - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return ((d.exp() - 1 - d) * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+# ======================================================================================================================
+# Training loop
+# ======================================================================================================================
+METRIC_KEYS = ["step", "reward/mean", "reward/acc", "reward/zero_std_groups", "rollout/len_mean",
+               "rollout/truncated", "mismatch/kl", "mismatch/logp_absdiff", "mismatch/ratio_max", "clip/low",
+               "clip/high", "clip/acr_upper", "loss/policy", "loss/entropy", "loss/kl", "quant/flip_rate",
+               "guard/skipped", "perf/rollout_tok_s", "perf/step_s", "perf/rollout_frac", "eval/acc"]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run_dir_for(args: Args) -> Path:
+    if args.resume:
+        return Path(args.resume)
+    return Path(args.out_dir) / (args.run_name or f"{args.quant}-{args.loss}-s{args.seed}")
+
+
+def _prepare_run_dir(args: Args) -> Path:
+    d = run_dir_for(args)
+    if args.resume:
+        if not (d / "ckpt" / "state.pt").is_file() and not (d / "ckpt.old" / "state.pt").is_file():
+            raise QurlError(f"--resume {d}: no checkpoint there (expected {d}/ckpt/state.pt)")
+        return d
+    if d.exists() and any(d.iterdir()):
+        if not args.overwrite:
+            raise QurlError(f"run folder {d} already exists: pass --resume {d} to continue it, --overwrite to "
+                            f"replace it, or --run-name NAME")
+        shutil.rmtree(d)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / ".write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise QurlError(f"cannot write to {d} ({e.strerror}); choose another --out-dir") from None
+    return d
+
+
+def save_checkpoint(d: Path, model, q_model, opt, step: int, data_pos: int, gen: torch.Generator,
+                    args: Args, model_id: dict) -> None:
+    """Atomic: write ckpt.tmp/, move ckpt/ to ckpt.old/, rename ckpt.tmp/ to ckpt/, delete ckpt.old/.
+    A crash at any point leaves a complete ckpt/ or ckpt.old/."""
+    tmp, cur, old = d / "ckpt.tmp", d / "ckpt", d / "ckpt.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    state = {"step": step, "data_pos": data_pos, "model": model.state_dict(), "optimizer": opt.state_dict(),
+             "q_model": q_model.state_dict() if q_model is not None else None,
+             "rng_python": random.getstate(), "rng_torch": torch.get_rng_state(), "rng_sampler": gen.get_state(),
+             "args": dataclasses.asdict(args), "model_id": model_id}
+    torch.save(state, tmp / "state.pt")
+    if cur.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        cur.rename(old)
+    tmp.rename(cur)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(d: Path) -> dict:
+    for sub in ("ckpt", "ckpt.old"):
+        f = d / sub / "state.pt"
+        if f.is_file():
+            return torch.load(f, map_location="cpu", weights_only=False)
+    raise QurlError(f"--resume {d}: no checkpoint there")
+
+
+def _model_id(model) -> dict:
+    c = model.config
+    return {"arch": type(model).__name__, "hidden": c.hidden_size, "layers": c.num_hidden_layers,
+            "vocab": c.vocab_size, "params": sum(p.numel() for p in model.parameters())}
+
+
+def _batches(n_rows: int, n_mb: int) -> list[slice]:
+    size = math.ceil(n_rows / n_mb)
+    return [slice(i, min(i + size, n_rows)) for i in range(0, n_rows, size)]
+
+
+def train(args: Args) -> dict:
+    """sync -> rollout (quantized actor) -> reward -> advantages -> logp_prox (fp actor) -> PPO epochs -> log."""
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    seed_everything(args.seed)
+    model, tok = load_model(args.model, device, dtype)
+    train_set = load_problems(args.train_data, args.train_split, args.question_field, args.answer_field,
+                              args.data_config)
+    test_set = load_problems(args.test_data, args.test_split, args.question_field, args.answer_field,
+                             args.data_config)
+    if args.eval_size:
+        test_set = test_set[:args.eval_size]
+    d = _prepare_run_dir(args)
+    fmt = None if args.quant == "none" else args.quant
+    s = args.invariant_scale if args.invariant_scale is not None else (1.5 if fmt else 1.0)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    order_gen = torch.Generator().manual_seed(args.seed + 1)
+    ckpt = load_checkpoint(d) if args.resume else None
+    if ckpt is not None:
+        if ckpt["model_id"] != _model_id(model):
+            raise QurlError(f"--resume {d}: checkpoint is of a different model ({ckpt['model_id']}) than "
+                            f"--model {args.model} ({_model_id(model)})")
+        model.load_state_dict(ckpt["model"])          # already invariant-scaled when it was saved
+    elif s != 1.0:
+        invariant_scale(model, s)
+    q_model = quantize_actor(model, fmt, args.fp8_kernel) if fmt else None
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    start, data_pos = 0, 0
+    if ckpt is not None:
+        opt.load_state_dict(ckpt["optimizer"])
+        if q_model is not None and ckpt["q_model"] is not None:
+            q_model.load_state_dict(ckpt["q_model"])
+            for m in q_model.modules():  # buffers were replaced by load_state_dict's copy_; keep dtype
+                pass
+        start, data_pos = ckpt["step"], ckpt["data_pos"]
+        random.setstate(ckpt["rng_python"])
+        torch.set_rng_state(ckpt["rng_torch"])
+        gen.set_state(ckpt["rng_sampler"])
+        _truncate_metrics(d / "metrics.jsonl", start)
+        notice(f"resumed {d} at step {start}")
+    else:
+        (d / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
+        (d / "metrics.jsonl").write_text("")
+    perm = torch.randperm(len(train_set), generator=order_gen).tolist()
+    model_id = _model_id(model)
+    P, G = args.prompts_per_step, args.group_size
+
+    def next_problems(pos):
+        return [train_set[perm[(pos + i) % len(perm)]] for i in range(P)], pos + P
+
+    def run_eval():
+        model.eval()
+        r = evaluate(model, tok, test_set, max_new_tokens=args.max_new_tokens, batch_size=args.eval_batch)
+        model.train()
+        return r
+
+    t_start = time.time()
+    first_eval = run_eval()["acc"] if start == 0 else None
+    last_eval = first_eval
+    if start == 0:
+        notice(f"step 0: eval/acc {first_eval:.3f} on {len(test_set)} held-out problems")
+    metrics_f = open(d / "metrics.jsonl", "a")
+    bad_in_row, skipped, rollout_time, step_time, step = 0, 0, 0.0, 0.0, start
+    try:
+        for step in range(start + 1, args.steps + 1):
+            t0 = time.time()
+            m = {"step": step}
+            # 1. weight sync: quantized actor <- fp actor (re-quantize)
+            m["quant/flip_rate"] = sync_weights(q_model, model) if q_model is not None else 0.0
+            # 2. rollout with the quantized actor
+            probs, data_pos = next_problems(data_pos)
+            prompts = [format_prompt(p["question"], tok) for p in probs]
+            model.eval()
+            ro = sample(q_model if q_model is not None else model, tok, prompts, n=G,
+                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                        generator=gen)
+            model.train()
+            t_roll = time.time() - t0
+            n_tok = int(ro.response_mask.sum())
+            # 3. rewards and group advantages
+            golds = [p["gold"] for p in probs for _ in range(G)]
+            rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)])
+            adv, zero_groups = group_advantages(rewards, G)
+            m.update({"reward/mean": float(rewards.mean()), "reward/acc": float((rewards > 0.5).float().mean()),
+                      "reward/zero_std_groups": zero_groups, "rollout/len_mean": n_tok / len(ro.texts),
+                      "rollout/truncated": float(ro.truncated.float().mean())})
+            rows = torch.arange(len(rewards))
+            if args.skip_zero_adv:  # groups with equal rewards have zero advantage: no gradient, skip the compute
+                rows = rows[rewards.view(-1, G).std(1).repeat_interleave(G) > 0]
+            loss_metrics = []
+            if len(rows):
+                ids, am = ro.input_ids[rows], ro.attention_mask[rows]
+                mask, lp_behav, a = ro.response_mask[rows], ro.logp_behav[rows], adv[rows].to(device)
+                one_update = args.ppo_epochs * args.mini_batches == 1
+                with rollout_aligned(model, fmt if args.align_forward else None):
+                    # 4. logp_prox: the fp actor before this step's update (no grad). With one update per batch it
+                    #    equals the training forward's value, so that forward's detached log-probs are reused.
+                    lp_prox = None
+                    if not one_update:
+                        with torch.no_grad():
+                            lp_prox = token_logprobs(model, ids, am, mask, args.temperature, args.micro_batch)
+                    lp_ref = None
+                    if ref_model is not None:
+                        with torch.no_grad():
+                            lp_ref = token_logprobs(ref_model, ids, am, mask, args.temperature, args.micro_batch)
+                    # 5. PPO epochs over mini-batches
+                    for _ in range(args.ppo_epochs):
+                        for mb in _batches(len(rows), args.mini_batches):
+                            logp = token_logprobs(model, ids[mb], am[mb], mask[mb], args.temperature,
+                                                  args.micro_batch)
+                            prox = logp.detach() if lp_prox is None else lp_prox[mb]
+                            loss, lm = policy_loss(logp, prox, lp_behav[mb], a[mb], mask[mb], args.loss,
+                                                   args.eps_low, args.eps_high, args.is_cap)
+                            if ref_model is not None:
+                                kl = kl_penalty(logp, lp_ref[mb], mask[mb])
+                                loss = loss + args.kl_coef * kl
+                                lm["loss/kl"] = float(kl)
+                            opt.zero_grad(set_to_none=True)
+                            loss.backward()
+                            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                            if torch.isfinite(loss) and torch.isfinite(gnorm):  # numeric guard
+                                opt.step()
+                                bad_in_row = 0
+                            else:
+                                opt.zero_grad(set_to_none=True)
+                                skipped += 1
+                                bad_in_row += 1
+                                notice(f"step {step}: non-finite loss or gradient, update skipped "
+                                       f"({bad_in_row} in a row)")
+                                if bad_in_row >= args.max_bad_steps:
+                                    raise QurlError(f"{bad_in_row} non-finite updates in a row at step {step}: "
+                                                    f"stopped; the last good checkpoint is in {d}/ckpt (try a "
+                                                    f"lower --lr)")
+                            loss_metrics.append(lm)
+            else:  # nothing to learn from: still measure the mismatch
+                loss_metrics = []
+            for k in ("mismatch/kl", "mismatch/logp_absdiff", "mismatch/ratio_max", "clip/low", "clip/high",
+                      "clip/acr_upper", "loss/policy", "loss/entropy", "loss/kl"):
+                vals = [lm[k] for lm in loss_metrics if k in lm]
+                m[k] = (max(vals) if k == "mismatch/ratio_max" else sum(vals) / len(vals)) if vals else 0.0
+            m["guard/skipped"] = skipped
+            dt = time.time() - t0
+            rollout_time += t_roll
+            step_time += dt
+            m.update({"perf/rollout_tok_s": n_tok / max(t_roll, 1e-9), "perf/step_s": dt,
+                      "perf/rollout_frac": t_roll / max(dt, 1e-9)})
+            if step % args.eval_every == 0 or step == args.steps:
+                last_eval = run_eval()["acc"]
+                m["eval/acc"] = last_eval
+            else:
+                m["eval/acc"] = None
+            metrics_f.write(json.dumps(m) + "\n")
+            metrics_f.flush()
+            if step % args.log_every == 0 or step == args.steps:
+                el = time.time() - t_start
+                eta = el / (step - start) * (args.steps - step)
+                ev = f"{last_eval:.3f}" if last_eval is not None else "-"
+                print(f"step {step:4d}/{args.steps} reward {m['reward/mean']:.3f} eval {ev} "
+                      f"kl {m['mismatch/kl']:.1e} flip {m['quant/flip_rate']:.2%} "
+                      f"tok/s {m['perf/rollout_tok_s']:.0f} [{el:.0f}s<{eta:.0f}s]", flush=True)
+            if step % args.save_every == 0 and step != args.steps:
+                save_checkpoint(d, model, q_model, opt, step, data_pos, gen, args, model_id)
+    except KeyboardInterrupt:
+        metrics_f.close()
+        done_step = step - 1  # the interrupted step did not finish
+        # the model may be mid-update of `step`; the safest resumable state is the last finished one only if no
+        # update happened yet. We save only when the interrupted step made no optimizer step.
+        notice(f"interrupted during step {step}; the last checkpoint is in {d}/ckpt (resume with --resume {d})")
+        raise SystemExit(130) from None
+    metrics_f.close()
+    save_checkpoint(d, model, q_model, opt, args.steps, data_pos, gen, args, model_id)
+    model.save_pretrained(d / "final")
+    tok.save_pretrained(d / "final")
+    wall = time.time() - t_start
+    summary = {"start_eval_acc": first_eval, "final_eval_acc": last_eval, "wall_s": round(wall, 1),
+               "rollout_frac": rollout_time / max(step_time, 1e-9), "steps": args.steps, "skipped_updates": skipped}
+    (d / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"done: eval/acc {first_eval if first_eval is not None else '-'} -> {last_eval:.3f} in {wall:.0f}s "
+          f"(rollout {summary['rollout_frac']:.0%} of step time); run folder {d}", flush=True)
+    return summary
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop lines logged after the checkpoint we resume from, so they are not written twice."""
+    if path.exists():
+        keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
+        path.write_text("".join(l + "\n" for l in keep))
+
+
+# ======================================================================================================================
+# Evaluation
+# ======================================================================================================================
+@torch.no_grad()
+def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int = 32, batch_size: int = 256) -> dict:
+    """Greedy accuracy and mean response length (tokens) on held-out problems."""
+    correct, length = 0.0, 0.0
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i:i + batch_size]
+        ro = sample(model, tokenizer, [format_prompt(p["question"], tokenizer) for p in chunk], n=1,
+                    max_new_tokens=max_new_tokens, temperature=0.0)
+        correct += sum(reward(t, p["gold"]) for t, p in zip(ro.texts, chunk))
+        length += float(ro.response_mask.sum())
+    return {"acc": correct / len(problems), "len_mean": length / len(problems), "n": len(problems)}
+
+
+# ======================================================================================================================
+# Benchmarks, dry run, plots
+# ======================================================================================================================
+# Published architectures (config.json of each hub model), built with random weights for throughput runs.
+MODEL_CONFIGS = {
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+                       tie_word_embeddings=True),
+    "qwen2-h512-l8": dict(model_type="qwen2", hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                          num_key_value_heads=2, intermediate_size=2048, vocab_size=151936, tie_word_embeddings=True),
+}
+
+
+def build_from_config(name: str, device, dtype, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if name not in MODEL_CONFIGS:
+        raise QurlError(f"--model-config: unknown '{name}'; choose from {', '.join(MODEL_CONFIGS)}")
+    spec = dict(MODEL_CONFIGS[name])
+    cfg = AutoConfig.for_model(spec.pop("model_type"), max_position_embeddings=32768, rope_theta=1e6, **spec)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device).eval()
+
+
+def _timed(fn, runs: int, device) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(runs):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2], out
+
+
+def bench_rollout(args: Args) -> list[dict]:
+    """tokens/s of `sample` and of `model.generate` on the same prompts, batch and length; median of runs."""
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    tok = load_model(str(HERE / "data/tiny-qwen"), "cpu", torch.float32)[1] if args.model_config else None
+    if args.model_config:
+        model = build_from_config(args.model_config, device, dtype)
+    else:
+        model, tok = load_model(args.model, device, dtype)
+        model.eval()
+    fmt = None if args.quant == "none" else args.quant
+    actor = quantize_actor(model, fmt, args.fp8_kernel) if fmt else model
+    problems = load_problems(args.test_data, args.test_split, args.question_field, args.answer_field,
+                             args.data_config)
+    ignore_eos = args.model_config is not None   # random weights: force the full length on both sides
+    rows = []
+    for batch in (int(b) for b in args.bench_batch.split(",")):
+        n_prompts = max(1, batch // args.group_size)
+        G = batch // n_prompts
+        prompts = [format_prompt(p["question"], tok) for p in problems[:n_prompts]]
+        for temp in (1.0, 0.0):
+            gen = torch.Generator(device=device).manual_seed(args.seed)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            _timed(lambda: sample(actor, tok, prompts, G, args.bench_len, temp, generator=gen,
+                                  ignore_eos=ignore_eos), 1, device)   # warm-up
+            t_ours, ro = _timed(lambda: sample(actor, tok, prompts, G, args.bench_len, temp, generator=gen,
+                                               ignore_eos=ignore_eos), args.bench_runs, device)
+            ours_tok = float(ro.response_mask.sum())
+            enc = tok(prompts, return_tensors="pt", padding=True).to(device)
+            kw = dict(do_sample=temp > 0, max_new_tokens=args.bench_len, num_return_sequences=G,
+                      pad_token_id=tok.pad_token_id, top_k=0, top_p=1.0)
+            kw.update(temperature=temp) if temp > 0 else None
+            if ignore_eos:
+                kw["min_new_tokens"] = args.bench_len
+            gen_fn = lambda: actor.generate(**enc, **kw)  # noqa: E731
+            _timed(gen_fn, 1, device)
+            t_gen, out = _timed(gen_fn, args.bench_runs, device)
+            gen_tok = _generated_tokens(out[:, enc["input_ids"].shape[1]:], stop_token_ids(model, tok),
+                                        ignore_eos)
+            row = {"model": args.model_config or Path(args.model).name, "quant": args.quant, "batch": G * n_prompts,
+                   "len": args.bench_len, "temperature": temp, "sample_tok_s": ours_tok / t_ours,
+                   "generate_tok_s": gen_tok / t_gen, "ratio": (ours_tok / t_ours) / (gen_tok / t_gen)}
+            if device.type == "cuda":
+                row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            rows.append(row)
+            print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                  flush=True)
+    return rows
+
+
+def _generated_tokens(resp: torch.Tensor, stops: list[int], ignore_eos: bool) -> float:
+    """Tokens `generate` produced per row: up to and including the first stop token."""
+    if ignore_eos:
+        return float(resp.numel())
+    is_stop = torch.isin(resp, torch.tensor(stops, device=resp.device))
+    first = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, torch.tensor(resp.shape[1]))
+    return float(first.sum())
+
+
+def dry_run(args: Args) -> None:
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    model, tok = load_model(args.model, device, dtype)
+    train_set = load_problems(args.train_data, args.train_split, args.question_field, args.answer_field,
+                              args.data_config)
+    test_set = load_problems(args.test_data, args.test_split, args.question_field, args.answer_field,
+                             args.data_config)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(json.dumps(dataclasses.asdict(args), indent=1))
+    print(f"device {device}, dtype {str(dtype).replace('torch.', '')}")
+    print(f"model {args.model}: {type(model).__name__}, {n_params / 1e6:.2f}M parameters, "
+          f"{n_params * torch.finfo(dtype).bits // 8 / 2**20:.1f} MiB in {str(dtype).replace('torch.', '')}")
+    if args.quant != "none":
+        q = quantize_actor(model, args.quant, args.fp8_kernel)
+        qb, qn = quant_bytes(q)
+        print(f"quantized actor ({args.quant}): {qn / 1e6:.2f}M weights in decoder linears -> {qb / 2**20:.2f} MiB "
+              f"(codes + scales, {qb / qn:.3f} B/weight; bf16 would be {2 * qn / 2**20:.2f} MiB)")
+    print(f"problems: {len(train_set)} train, {len(test_set)} test")
+    print("one formatted prompt:\n" + format_prompt(train_set[0]["question"], tok) + f"\n(gold: {train_set[0]['gold']})")
+
+
+def plot_runs(run_dirs: list[str], out: str) -> None:
+    """Reward, eval accuracy, mismatch KL and flip rate per step for several runs, one figure."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise QurlError("--plot needs matplotlib: pip install matplotlib") from None
+    panels = [("reward/mean", "reward (train)"), ("eval/acc", "held-out accuracy (greedy)"),
+              ("mismatch/kl", "mismatch KL(pi_behav||pi_prox)"), ("quant/flip_rate", "quant flip rate")]
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
+    for rd in run_dirs:
+        f = Path(rd) / "metrics.jsonl"
+        if not f.is_file():
+            raise QurlError(f"--plot: {f} not found (is {rd} a run folder?)")
+        rows = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
+        for ax, (key, title) in zip(axes, panels):
+            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if key == "reward/mean" and len(pts) > 20:  # smooth the noisy per-step reward
+                k = max(1, len(pts) // 25)
+                pts = [(pts[i][0], sum(v for _, v in pts[max(0, i - k):i + 1]) / len(pts[max(0, i - k):i + 1]))
+                       for i in range(len(pts))]
+            if pts:
+                ax.plot(*zip(*pts), label=Path(rd).name, marker="o" if key == "eval/acc" else None, markersize=3)
+            ax.set_title(title)
+            ax.set_xlabel("step")
+    axes[2].set_yscale("symlog", linthresh=1e-5)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=80)
+    print(f"wrote {out}")
+
+
+# ======================================================================================================================
+# main
+# ======================================================================================================================
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    try:
+        if args.plot:
+            plot_runs(args.plot, args.out)
+        elif args.dry_run:
+            dry_run(args)
+        elif args.bench_rollout:
+            bench_rollout(args)
+        else:
+            train(args)
+    except QurlError as e:
+        _die(str(e))
+
+
+if __name__ == "__main__":
+    main()
