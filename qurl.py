@@ -34,6 +34,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -593,7 +594,10 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def _aligned_linear_forward(lin: nn.Linear, fmt: str, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(fake_quant(x, fmt), fake_quant(lin.weight, fmt), lin.bias)
+    y = F.linear(fake_quant(x, fmt), fake_quant(lin.weight, fmt))
+    if fmt == "int8":  # bitsandbytes' int8_mm_dequant returns fp16: round the same way (straight-through)
+        y = y + (y.detach().to(torch.float16).to(y.dtype) - y.detach())
+    return y if lin.bias is None else y + lin.bias
 
 
 @contextmanager
@@ -786,7 +790,7 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.T
         n_keep = k.sum().clamp(min=1.0)
         out = (per_seq * k).sum() / n_keep
         sd = s.detach()
-        m.update({"loss/policy": float(out), "tbpo/kept": float(k.mean()),
+        m.update({"loss/policy": float(out.detach()), "tbpo/kept": float(k.mean()),
                   "clip/low": float(((sd < 1 - lo) * k).sum() / n_keep),
                   "clip/high": float((((a >= 0) & (sd > 1 + hi_pos) | (a < 0) & (sd > 1 + hi_neg)) * k).sum()
                                      / n_keep),
@@ -809,7 +813,7 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.T
     pg = -w * torch.minimum(ratio * A, clipped * A)  # PPO: -min(R A, clip(R, 1-eps_low, upper) A)
     out = (pg * mask).sum() / n_tok
     rd = ratio.detach()
-    m.update({"loss/policy": float(out),
+    m.update({"loss/policy": float(out.detach()),
               "clip/low": float((((rd < 1 - eps_low) & (A < 0)) * mask).sum() / n_tok),
               "clip/high": float((((rd > upper) & (A > 0)) * mask).sum() / n_tok),
               "clip/acr_upper": float((upper * mask).sum() / n_tok)})
@@ -864,7 +868,7 @@ def _prepare_run_dir(args: Args) -> Path:
 
 
 def save_checkpoint(d: Path, model, q_model, opt, step: int, data_pos: int, gen: torch.Generator,
-                    args: Args, model_id: dict) -> None:
+                    args: Args, model_id: dict, extra: dict | None = None) -> None:
     """Atomic: write ckpt.tmp/, move ckpt/ to ckpt.old/, rename ckpt.tmp/ to ckpt/, delete ckpt.old/.
     A crash at any point leaves a complete ckpt/ or ckpt.old/."""
     tmp, cur, old = d / "ckpt.tmp", d / "ckpt", d / "ckpt.old"
@@ -873,7 +877,7 @@ def save_checkpoint(d: Path, model, q_model, opt, step: int, data_pos: int, gen:
     state = {"step": step, "data_pos": data_pos, "model": model.state_dict(), "optimizer": opt.state_dict(),
              "q_model": q_model.state_dict() if q_model is not None else None,
              "rng_python": random.getstate(), "rng_torch": torch.get_rng_state(), "rng_sampler": gen.get_state(),
-             "args": dataclasses.asdict(args), "model_id": model_id}
+             "args": dataclasses.asdict(args), "model_id": model_id, **(extra or {})}
     torch.save(state, tmp / "state.pt")
     if cur.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -912,6 +916,7 @@ def train(args: Args) -> dict:
                              args.data_config)
     if args.eval_size:
         test_set = test_set[:args.eval_size]
+    check_prompt_lengths(model, tok, train_set + test_set, args.max_new_tokens)
     d = _prepare_run_dir(args)
     fmt = None if args.quant == "none" else args.quant
     s = args.invariant_scale if args.invariant_scale is not None else (1.5 if fmt else 1.0)
@@ -932,9 +937,7 @@ def train(args: Args) -> dict:
     if ckpt is not None:
         opt.load_state_dict(ckpt["optimizer"])
         if q_model is not None and ckpt["q_model"] is not None:
-            q_model.load_state_dict(ckpt["q_model"])
-            for m in q_model.modules():  # buffers were replaced by load_state_dict's copy_; keep dtype
-                pass
+            q_model.load_state_dict(ckpt["q_model"])  # so the first flip rate counts from the saved codes
         start, data_pos = ckpt["step"], ckpt["data_pos"]
         random.setstate(ckpt["rng_python"])
         torch.set_rng_state(ckpt["rng_torch"])
@@ -946,10 +949,10 @@ def train(args: Args) -> dict:
         (d / "metrics.jsonl").write_text("")
     perm = torch.randperm(len(train_set), generator=order_gen).tolist()
     model_id = _model_id(model)
-    P, G = args.prompts_per_step, args.group_size
+    P = args.prompts_per_step
 
     def next_problems(pos):
-        return [train_set[perm[(pos + i) % len(perm)]] for i in range(P)], pos + P
+        return [train_set[perm[(pos + i) % len(perm)]] for i in range(P)]
 
     def run_eval():
         model.eval()
@@ -958,100 +961,37 @@ def train(args: Args) -> dict:
         return r
 
     t_start = time.time()
-    first_eval = run_eval()["acc"] if start == 0 else None
+    first_eval = run_eval()["acc"] if start == 0 else ckpt.get("first_eval")
     last_eval = first_eval
     if start == 0:
         notice(f"step 0: eval/acc {first_eval:.3f} on {len(test_set)} held-out problems")
     metrics_f = open(d / "metrics.jsonl", "a")
-    bad_in_row, skipped, rollout_time, step_time, step = 0, 0, 0.0, 0.0, start
+    bad_in_row, skipped, rollout_time, step_time = 0, 0, 0.0, 0.0
+    if ckpt is not None:
+        skipped = ckpt.get("skipped", 0)
+
+    def checkpoint(at_step):
+        save_checkpoint(d, model, q_model, opt, at_step, data_pos, gen, args, model_id,
+                        extra={"first_eval": first_eval, "skipped": skipped})
+
+    STOP.clear()
+    old_handler = signal.signal(signal.SIGINT, _request_stop) if _main_thread() else None
     try:
         for step in range(start + 1, args.steps + 1):
-            t0 = time.time()
-            m = {"step": step}
-            # 1. weight sync: quantized actor <- fp actor (re-quantize)
-            m["quant/flip_rate"] = sync_weights(q_model, model) if q_model is not None else 0.0
-            # 2. rollout with the quantized actor
-            probs, data_pos = next_problems(data_pos)
-            prompts = [format_prompt(p["question"], tok) for p in probs]
-            model.eval()
-            ro = sample(q_model if q_model is not None else model, tok, prompts, n=G,
-                        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                        generator=gen)
-            model.train()
-            t_roll = time.time() - t0
-            n_tok = int(ro.response_mask.sum())
-            # 3. rewards and group advantages
-            golds = [p["gold"] for p in probs for _ in range(G)]
-            rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)])
-            adv, zero_groups = group_advantages(rewards, G)
-            m.update({"reward/mean": float(rewards.mean()), "reward/acc": float((rewards > 0.5).float().mean()),
-                      "reward/zero_std_groups": zero_groups, "rollout/len_mean": n_tok / len(ro.texts),
-                      "rollout/truncated": float(ro.truncated.float().mean())})
-            rows = torch.arange(len(rewards))
-            if args.skip_zero_adv:  # groups with equal rewards have zero advantage: no gradient, skip the compute
-                rows = rows[rewards.view(-1, G).std(1).repeat_interleave(G) > 0]
-            loss_metrics = []
-            if len(rows):
-                ids, am = ro.input_ids[rows], ro.attention_mask[rows]
-                mask, lp_behav, a = ro.response_mask[rows], ro.logp_behav[rows], adv[rows].to(device)
-                one_update = args.ppo_epochs * args.mini_batches == 1
-                with rollout_aligned(model, fmt if args.align_forward else None):
-                    # 4. logp_prox: the fp actor before this step's update (no grad). With one update per batch it
-                    #    equals the training forward's value, so that forward's detached log-probs are reused.
-                    lp_prox = None
-                    if not one_update:
-                        with torch.no_grad():
-                            lp_prox = token_logprobs(model, ids, am, mask, args.temperature, args.micro_batch)
-                    lp_ref = None
-                    if ref_model is not None:
-                        with torch.no_grad():
-                            lp_ref = token_logprobs(ref_model, ids, am, mask, args.temperature, args.micro_batch)
-                    # 5. PPO epochs over mini-batches
-                    for _ in range(args.ppo_epochs):
-                        for mb in _batches(len(rows), args.mini_batches):
-                            logp = token_logprobs(model, ids[mb], am[mb], mask[mb], args.temperature,
-                                                  args.micro_batch)
-                            prox = logp.detach() if lp_prox is None else lp_prox[mb]
-                            loss, lm = policy_loss(logp, prox, lp_behav[mb], a[mb], mask[mb], args.loss,
-                                                   args.eps_low, args.eps_high, args.is_cap)
-                            if ref_model is not None:
-                                kl = kl_penalty(logp, lp_ref[mb], mask[mb])
-                                loss = loss + args.kl_coef * kl
-                                lm["loss/kl"] = float(kl)
-                            opt.zero_grad(set_to_none=True)
-                            loss.backward()
-                            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                            if torch.isfinite(loss) and torch.isfinite(gnorm):  # numeric guard
-                                opt.step()
-                                bad_in_row = 0
-                            else:
-                                opt.zero_grad(set_to_none=True)
-                                skipped += 1
-                                bad_in_row += 1
-                                notice(f"step {step}: non-finite loss or gradient, update skipped "
-                                       f"({bad_in_row} in a row)")
-                                if bad_in_row >= args.max_bad_steps:
-                                    raise QurlError(f"{bad_in_row} non-finite updates in a row at step {step}: "
-                                                    f"stopped; the last good checkpoint is in {d}/ckpt (try a "
-                                                    f"lower --lr)")
-                            loss_metrics.append(lm)
-            else:  # nothing to learn from: still measure the mismatch
-                loss_metrics = []
-            for k in ("mismatch/kl", "mismatch/logp_absdiff", "mismatch/ratio_max", "clip/low", "clip/high",
-                      "clip/acr_upper", "loss/policy", "loss/entropy", "loss/kl"):
-                vals = [lm[k] for lm in loss_metrics if k in lm]
-                m[k] = (max(vals) if k == "mismatch/ratio_max" else sum(vals) / len(vals)) if vals else 0.0
+            m, t_roll, n_tok = train_step(step, args, model, q_model, ref_model, opt, tok, gen, fmt,
+                                          next_problems(data_pos))
+            data_pos += P
+            bad_in_row = bad_in_row + 1 if m["guard/skipped"] else 0
+            skipped += m["guard/skipped"]
+            if bad_in_row >= args.max_bad_steps:
+                raise QurlError(f"{bad_in_row} steps in a row with non-finite losses or gradients (step {step}): "
+                                f"stopped; the last good checkpoint is in {d}/ckpt (try a lower --lr)")
             m["guard/skipped"] = skipped
-            dt = time.time() - t0
             rollout_time += t_roll
-            step_time += dt
-            m.update({"perf/rollout_tok_s": n_tok / max(t_roll, 1e-9), "perf/step_s": dt,
-                      "perf/rollout_frac": t_roll / max(dt, 1e-9)})
+            step_time += m["perf/step_s"]
             if step % args.eval_every == 0 or step == args.steps:
                 last_eval = run_eval()["acc"]
-                m["eval/acc"] = last_eval
-            else:
-                m["eval/acc"] = None
+            m["eval/acc"] = last_eval if step % args.eval_every == 0 or step == args.steps else None
             metrics_f.write(json.dumps(m) + "\n")
             metrics_f.flush()
             if step % args.log_every == 0 or step == args.steps:
@@ -1061,26 +1001,130 @@ def train(args: Args) -> dict:
                 print(f"step {step:4d}/{args.steps} reward {m['reward/mean']:.3f} eval {ev} "
                       f"kl {m['mismatch/kl']:.1e} flip {m['quant/flip_rate']:.2%} "
                       f"tok/s {m['perf/rollout_tok_s']:.0f} [{el:.0f}s<{eta:.0f}s]", flush=True)
+            if STOP:
+                checkpoint(step)
+                metrics_f.close()
+                notice(f"interrupted: checkpoint of step {step} written; continue with --resume {d}")
+                raise SystemExit(130)
             if step % args.save_every == 0 and step != args.steps:
-                save_checkpoint(d, model, q_model, opt, step, data_pos, gen, args, model_id)
-    except KeyboardInterrupt:
+                checkpoint(step)
+    finally:
+        if old_handler is not None:
+            signal.signal(signal.SIGINT, old_handler)
         metrics_f.close()
-        done_step = step - 1  # the interrupted step did not finish
-        # the model may be mid-update of `step`; the safest resumable state is the last finished one only if no
-        # update happened yet. We save only when the interrupted step made no optimizer step.
-        notice(f"interrupted during step {step}; the last checkpoint is in {d}/ckpt (resume with --resume {d})")
-        raise SystemExit(130) from None
-    metrics_f.close()
-    save_checkpoint(d, model, q_model, opt, args.steps, data_pos, gen, args, model_id)
+    checkpoint(args.steps)
     model.save_pretrained(d / "final")
     tok.save_pretrained(d / "final")
     wall = time.time() - t_start
     summary = {"start_eval_acc": first_eval, "final_eval_acc": last_eval, "wall_s": round(wall, 1),
                "rollout_frac": rollout_time / max(step_time, 1e-9), "steps": args.steps, "skipped_updates": skipped}
     (d / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"done: eval/acc {first_eval if first_eval is not None else '-'} -> {last_eval:.3f} in {wall:.0f}s "
-          f"(rollout {summary['rollout_frac']:.0%} of step time); run folder {d}", flush=True)
+    start_txt = f"{first_eval:.3f}" if first_eval is not None else "-"
+    print(f"done: eval/acc {start_txt} -> {last_eval:.3f} in {wall:.0f}s (rollout {summary['rollout_frac']:.0%} "
+          f"of step time); run folder {d}", flush=True)
     return summary
+
+
+STOP: set = set()  # non-empty once Ctrl-C asked the loop to stop after the current step
+
+
+def _request_stop(signum, frame):
+    if STOP:  # a second Ctrl-C: stop now, without a checkpoint of this step
+        raise KeyboardInterrupt
+    STOP.add(signum)
+    notice("Ctrl-C: finishing this step, then writing a checkpoint (Ctrl-C again to abort at once)")
+
+
+def _main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def train_step(step, args, model, q_model, ref_model, opt, tok, gen, fmt, probs) -> tuple[dict, float, int]:
+    """One RL step: sync -> rollout -> reward -> advantages -> logp_prox -> PPO epochs. Returns (metrics,
+    rollout seconds, response tokens). A non-finite loss or gradient skips that update (counted in guard/skipped)."""
+    t0 = time.time()
+    G = args.group_size
+    m = {"step": step}
+    # 1. weight sync: quantized actor <- fp actor (re-quantize every step)
+    m["quant/flip_rate"] = sync_weights(q_model, model) if q_model is not None else 0.0
+    # 2. rollout with the quantized actor (the fp actor with --quant none)
+    prompts = [format_prompt(p["question"], tok) for p in probs]
+    model.eval()
+    ro = sample(q_model if q_model is not None else model, tok, prompts, n=G, max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature, top_p=args.top_p, generator=gen)
+    model.train()
+    t_roll = time.time() - t0
+    n_tok = int(ro.response_mask.sum())
+    # 3. rewards and group advantages
+    golds = [p["gold"] for p in probs for _ in range(G)]
+    rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)])
+    adv, zero_groups = group_advantages(rewards, G)
+    m.update({"reward/mean": float(rewards.mean()), "reward/acc": float((rewards > 0.5).float().mean()),
+              "reward/zero_std_groups": zero_groups, "rollout/len_mean": n_tok / len(ro.texts),
+              "rollout/truncated": float(ro.truncated.float().mean())})
+    rows = torch.arange(len(rewards))
+    if args.skip_zero_adv:  # groups with equal rewards have zero advantage: no gradient, so skip their compute
+        rows = rows[rewards.view(-1, G).std(1).repeat_interleave(G) > 0]
+    device = ro.input_ids.device
+    ids, am, mask = ro.input_ids[rows.to(device)], ro.attention_mask[rows.to(device)], ro.response_mask[rows.to(device)]
+    lp_behav, a = ro.logp_behav[rows.to(device)], adv[rows].to(device)
+    loss_metrics, skipped = [], 0
+    one_update = args.ppo_epochs * args.mini_batches == 1
+    with rollout_aligned(model, fmt if args.align_forward else None):
+        # 4. logp_prox: the fp actor before this step's update, no grad (in the sampler's numerics with
+        #    --align-forward). With one update per batch it equals the training forward's value: reuse that.
+        lp_prox = lp_ref = None
+        if len(rows) and not one_update:
+            with torch.no_grad():
+                lp_prox = token_logprobs(model, ids, am, mask, args.temperature, args.micro_batch)
+        if len(rows) and ref_model is not None:
+            with torch.no_grad():
+                lp_ref = token_logprobs(ref_model, ids, am, mask, args.temperature, args.micro_batch)
+        # 5. PPO epochs over mini-batches
+        for _ in range(args.ppo_epochs if len(rows) else 0):
+            for mb in _batches(len(rows), args.mini_batches):
+                logp = token_logprobs(model, ids[mb], am[mb], mask[mb], args.temperature, args.micro_batch)
+                prox = logp.detach() if lp_prox is None else lp_prox[mb]
+                loss, lm = policy_loss(logp, prox, lp_behav[mb], a[mb], mask[mb], args.loss, args.eps_low,
+                                       args.eps_high, args.is_cap)
+                if ref_model is not None:
+                    kl = kl_penalty(logp, lp_ref[mb], mask[mb])
+                    loss = loss + args.kl_coef * kl
+                    lm["loss/kl"] = float(kl.detach())
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                if torch.isfinite(loss) and torch.isfinite(gnorm):  # numeric guard: never step on NaN/inf
+                    opt.step()
+                else:
+                    opt.zero_grad(set_to_none=True)
+                    skipped += 1
+                    notice(f"step {step}: non-finite loss or gradient, update skipped")
+                loss_metrics.append(lm)
+    for k in ("mismatch/kl", "mismatch/logp_absdiff", "mismatch/ratio_max", "clip/low", "clip/high",
+              "clip/acr_upper", "loss/policy", "loss/entropy", "loss/kl"):
+        vals = [lm[k] for lm in loss_metrics if k in lm]
+        m[k] = (max(vals) if k == "mismatch/ratio_max" else sum(vals) / len(vals)) if vals else 0.0
+    m["guard/skipped"] = skipped
+    dt = time.time() - t0
+    m.update({"perf/rollout_tok_s": n_tok / max(t_roll, 1e-9), "perf/step_s": dt,
+              "perf/rollout_frac": t_roll / max(dt, 1e-9)})
+    return m, t_roll, n_tok
+
+
+def check_prompt_lengths(model, tok, problems: list[dict], max_new_tokens: int) -> None:
+    """Refuse, before anything is written, problems whose prompt + response cannot fit the model's context."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is None:
+        return
+    lens = [len(x) for x in tok([format_prompt(p["question"], tok) for p in problems],
+                                add_special_tokens=False)["input_ids"]]
+    i = max(range(len(lens)), key=lens.__getitem__)
+    if lens[i] + max_new_tokens > limit:
+        raise QurlError(f"problem {i + 1} ({problems[i]['question'][:40]!r}...): prompt of {lens[i]} tokens + "
+                        f"--max-new-tokens {max_new_tokens} exceeds the model's context of {limit}; shorten or "
+                        f"drop long problems, or lower --max-new-tokens")
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

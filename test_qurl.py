@@ -1,0 +1,596 @@
+"""Tests for qurl.py: offline, on the tiny model in data/, the whole suite in a few minutes on 2 CPU cores.
+
+Numbers are checked against independent references: teacher-forced log-probs, model.generate, a plain fp32
+nn.Linear, hand-computed loss values and the recorded warm-up accuracy.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import qurl  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+TINY = str(HERE / "data" / "tiny-qwen")
+TEST = str(HERE / "data" / "arith_test.jsonl")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none visible to torch)")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = qurl.load_model(TINY, "cpu", torch.float32)
+    return model.eval(), tok
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return qurl.load_problems(TEST)
+
+
+def run_cli(*argv, cwd=HERE, timeout=120):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    return subprocess.run([sys.executable, str(HERE / "qurl.py"), *argv], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout, env=env)
+
+
+def assert_one_line_error(res, *needles):
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    lines = [l for l in res.stderr.splitlines() if l.startswith("qurl: error")]
+    assert len(lines) == 1, res.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+# ======================================================================================================================
+# Data and reward
+# ======================================================================================================================
+REWARD_CASES = [
+    ("37+48=85\n#### 85", "85", 1.0),
+    ("37+48=85\n#### 86", "85", 0.0),
+    ("#### -11", "-11", 1.0),
+    ("5-16=-11\n#### -11", "-11", 1.0),
+    ("5-16=11\n#### 11", "-11", 0.0),
+    ("The total is 1,234 dollars.\n#### 1,234", "1234", 1.0),
+    ("#### $1,234.00", "1234", 1.0),
+    ("#### 3.50", "3.5", 1.0),
+    ("#### 3.5", "3.50", 1.0),
+    ("#### 3.51", "3.5", 0.0),
+    ("She earns $18 a day.\n#### 18 dollars", "18", 1.0),
+    ("#### 18 eggs", "18", 1.0),
+    ("So the answer is \\boxed{42}.", "42", 1.0),
+    ("\\boxed{\\frac{3}{4}}", "3/4", 1.0),
+    ("\\boxed{\\frac{3}{4}}", "0.75", 1.0),
+    ("\\boxed{\\dfrac{1}{2}}", "2/4", 1.0),
+    ("First 2, then 7, so \\boxed{7}", "7", 1.0),
+    ("\\boxed{x+1}", "x + 1", 1.0),
+    ("\\boxed{\\text{Monday}}", "monday", 1.0),
+    ("The answer is 17.", "17", 1.0),
+    ("the answer is: -4", "-4", 1.0),
+    ("The answer is $25.", "25", 1.0),
+    ("I think 3 + 4 = 7, and 7 * 2 = 14", "14", 1.0),    # last number
+    ("There were 12 apples, 5 eaten, so 7 remain", "7", 1.0),
+    ("There were 12 apples, 5 eaten, so 7 remain", "12", 0.0),  # distractor number before the answer
+    ("We have 10 and 20 and then #### 30", "30", 1.0),         # '####' wins over earlier numbers
+    ("#### 30\nbut actually 31", "30", 1.0),                   # only the '####' line counts
+    ("I don't know.", "5", 0.0),                               # no answer at all
+    ("", "5", 0.0),
+    ("####", "5", 0.0),                                        # marker without a value
+    ("#### 1/2", "0.5", 1.0),
+    ("The answer is 0.5", "1/2", 1.0),
+    ("#### 100%", "100", 1.0),
+    ("#### 7.0", "7", 1.0),
+    ("Total: 2,000,000\n#### 2,000,000", "2000000", 1.0),
+    ("#### -0.25", "-1/4", 1.0),
+]
+
+
+@pytest.mark.parametrize("completion,gold,expected", REWARD_CASES)
+def test_reward(completion, gold, expected):
+    assert qurl.reward(completion, gold) == expected
+
+
+# Five lines in GSM8K's real format (the test split: worked solution with <<calculator>> tags, '#### value').
+GSM8K_FIXTURE = [
+    {"question": "Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins "
+                 "for her friends every day with four. She sells the remainder at the farmers' market daily for $2 "
+                 "per fresh duck egg. How much in dollars does she make every day at the farmers' market?",
+     "answer": "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every day "
+               "at the farmer's market.\n#### 18"},
+    {"question": "Josh decides to try flipping a house.  He buys a house for $80,000 and then puts in $50,000 in "
+                 "repairs.  This increased the value of the house by 150%.  How much profit did he make?",
+     "answer": "The cost of the house and repairs came out to 80,000+50,000=$<<80000+50000=130000>>130,000\nHe "
+               "increased the value of the house by 80,000*1.5=<<80000*1.5=120000>>120,000\nSo the new value of "
+               "the house is 120,000+80,000=$<<120000+80000=200000>>200,000\nSo he made a profit of "
+               "200,000-130,000=$<<200000-130000=70000>>70,000\n#### 70000"},
+    {"question": "A robe takes 2 bolts of blue fiber and half that much white fiber.  How many bolts in total?",
+     "answer": "It takes 2/2=<<2/2=1>>1 bolt of white fiber\nSo the total amount of fabric is 2+1=<<2+1=3>>3 bolts "
+               "of fabric\n#### 3"},
+    {"question": "A shop sells pens at $1.25 each. How much do 6 pens cost?",
+     "answer": "6 pens cost 6*1.25=<<6*1.25=7.5>>7.5\n#### 7.5"},
+    {"question": "The temperature was 5 degrees and fell by 12 degrees. What is it now?",
+     "answer": "5-12=<<5-12=-7>>-7\n#### -7"},
+]
+
+
+def test_gsm8k_format_golds_parse(tmp_path):
+    f = tmp_path / "gsm8k_sample.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in GSM8K_FIXTURE))
+    probs = qurl.load_problems(str(f))
+    assert [p["gold"] for p in probs] == ["18", "70000", "3", "7.5", "-7"]
+    for p, r in zip(probs, GSM8K_FIXTURE):  # the full worked solution earns the reward against its own gold
+        assert qurl.reward(r["answer"], p["gold"]) == 1.0
+
+
+def test_embedded_data_format():
+    for name, n in (("arith_train.jsonl", 20_000), ("arith_test.jsonl", 500)):
+        rows = [json.loads(l) for l in (HERE / "data" / name).read_text().splitlines()]
+        assert len(rows) == n and all("####" in r["answer"] for r in rows)
+    train_q = {json.loads(l)["question"] for l in (HERE / "data/arith_train.jsonl").read_text().splitlines()}
+    test_q = {json.loads(l)["question"] for l in (HERE / "data/arith_test.jsonl").read_text().splitlines()}
+    assert not train_q & test_q
+    kinds = {q.count("+") * 10 + q.count("-") + 100 * q.count("*") for q in test_q}
+    assert kinds == {10, 1, 100, 11}  # a+b, a-b, a*b, a+b-c
+
+
+def test_tiny_model_offline_roundtrip_and_band(tiny, problems):
+    model, tok = tiny
+    text = "Q: What is 12 + 7?\nA: 12+7=19\n#### 19 \u00e9"
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+    assert tok.pad_token_id == tok.eos_token_id  # the pitfall the masks must survive
+    assert 3e5 <= sum(p.numel() for p in model.parameters()) <= 3e6
+    acc = qurl.evaluate(model, tok, problems[:100], max_new_tokens=32)["acc"]
+    assert 0.20 <= acc <= 0.60, acc
+
+
+def test_format_prompt_plain_and_chat(tiny):
+    _, tok = tiny
+    assert qurl.format_prompt("What is 1 + 1?", tok) == "Q: What is 1 + 1?\nA: "
+
+    class Chat:
+        chat_template = "x"
+
+        def apply_chat_template(self, msgs, tokenize, add_generation_prompt):
+            return "|".join(f"{m['role']}:{m['content']}" for m in msgs) + "|assistant:"
+
+    out = qurl.format_prompt("What is 1 + 1?", Chat())
+    assert out.startswith("system:") and "####" in out and out.endswith("user:What is 1 + 1?|assistant:")
+
+
+def test_cli_help_and_dry_run():
+    res = run_cli("--help")
+    assert res.returncode == 0 and "--invariant-scale" in res.stdout and "rollout actor precision" in res.stdout
+    res = run_cli("--dry-run", "--quant", "fp8")
+    assert res.returncode == 0, res.stderr
+    assert "Qwen2ForCausalLM" in res.stdout and "20000 train, 500 test" in res.stdout and "Q: What is" in res.stdout
+    assert "quantized actor (fp8)" in res.stdout
+
+
+@pytest.mark.parametrize("content,needles", [
+    ('{"question": "What is 1 + 1?", "answer": "#### 2"}\n{"question": "x", "answer": \n', [":2:", "malformed"]),
+    ("", ["no problems", "empty"]),
+    ('{"question": "What is 1 + 1?", "answer": "#### 2"}\n{"prompt": "x", "answer": "#### 1"}\n',
+     [":2:", "missing field 'question'"]),
+    ('{"question": "What is 1 + 1?", "answer": "no number here"}\n', [":1:", "does not parse"]),
+])
+def test_bad_data_file(tmp_path, content, needles):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(content)
+    assert_one_line_error(run_cli("--dry-run", "--train-data", str(f)), str(f), *needles)
+
+
+def test_bad_cli_inputs(tmp_path):
+    assert_one_line_error(run_cli("--dry-run", "--train-data", str(tmp_path / "nope.jsonl")), "not found")
+    assert_one_line_error(run_cli("--quant", "int4"), "int4")
+
+
+# ======================================================================================================================
+# Rollout and log-probs
+# ======================================================================================================================
+def _mixed_prompts(tok, problems, k=6):
+    prompts = [qurl.format_prompt(p["question"], tok) for p in problems[:k]]
+    prompts[0] = "Q: What is 1 + 2?\nA: "  # a short prompt among long ones: real left padding
+    assert len(set(len(p) for p in prompts)) > 1
+    return prompts
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logp_behav_equals_teacher_forced(tiny, problems, temperature):
+    model, tok = tiny
+    prompts = _mixed_prompts(tok, problems)
+    ro = qurl.sample(model, tok, prompts, n=4, max_new_tokens=32, temperature=temperature,
+                     generator=torch.Generator().manual_seed(0))
+    assert (ro.attention_mask[:, :ro.prompt_len] == 0).any()  # some rows are left-padded
+    lp = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask, temperature, micro_batch=7)
+    diff = ((lp - ro.logp_behav) * ro.response_mask).abs().max().item()
+    assert diff < 1e-5, diff
+    assert ro.response_mask.sum() > 100
+
+
+def test_greedy_matches_generate(tiny, problems):
+    model, tok = tiny
+    prompts = _mixed_prompts(tok, problems, k=32)
+    ro = qurl.sample(model, tok, prompts, n=1, max_new_tokens=32, temperature=0)
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    out = model.generate(**enc, do_sample=False, max_new_tokens=32, pad_token_id=tok.pad_token_id)
+    ref = out[:, enc["input_ids"].shape[1]:]
+    for i in range(len(prompts)):
+        L = int(ro.response_mask[i].sum())
+        assert ro.input_ids[i, ro.prompt_len:ro.prompt_len + L].tolist() == ref[i, :L].tolist()
+        assert ref[i, L - 1] == tok.eos_token_id or L == 32
+
+
+def test_eos_mask_by_position(tiny, problems):
+    model, tok = tiny
+    ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 8), n=8, max_new_tokens=40, temperature=1.0,
+                     generator=torch.Generator().manual_seed(3))
+    resp = ro.input_ids[:, ro.prompt_len:]
+    lengths = ro.response_mask.sum(1).long()
+    assert lengths.min() < lengths.max()  # rows finished at different steps (some were dropped early)
+    eos = tok.eos_token_id
+    for i in range(resp.shape[0]):
+        L = int(lengths[i])
+        assert ro.response_mask[i, :L].eq(1).all() and ro.response_mask[i, L:].eq(0).all()
+        if not ro.truncated[i]:
+            assert resp[i, L - 1] == eos                     # the EOS itself is in the mask (pad == eos)
+            assert eos not in resp[i, :L - 1].tolist()      # and it is the first one
+            assert ro.logp_behav[i, L - 1] < 0              # with its log-prob recorded
+        assert ro.logp_behav[i, L:].eq(0).all()
+    assert not ro.truncated.all()
+
+
+def test_same_seed_same_samples(tiny, problems):
+    model, tok = tiny
+    prompts = _mixed_prompts(tok, problems, 4)
+    a, b, c = (qurl.sample(model, tok, prompts, n=4, max_new_tokens=24, generator=torch.Generator().manual_seed(s))
+               for s in (5, 5, 6))
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.logp_behav, b.logp_behav)
+    assert a.input_ids.shape != c.input_ids.shape or not torch.equal(a.input_ids, c.input_ids)
+
+
+def test_first_token_distribution(tiny):
+    """8000 first tokens vs softmax(logits / T): every frequent token within 5 sigma and the total variation small,
+    while the distribution at the wrong temperature is clearly rejected."""
+    model, tok = tiny
+    prompt, T, N = "Q: What is 57 * 8?\nA: 57*8=", 2.0, 8000  # the first digit of the product is uncertain
+    ro = qurl.sample(model, tok, [prompt], n=N, max_new_tokens=1, temperature=T,
+                     generator=torch.Generator().manual_seed(0))
+    first = ro.input_ids[:, ro.prompt_len]
+    emp = torch.bincount(first, minlength=len(tok)).double() / N
+    with torch.no_grad():
+        logits = model(**tok([prompt], return_tensors="pt")).logits[0, -1].double()
+    p = torch.softmax(logits / T, -1)
+    assert p.max() < 0.8 and (p > 0.02).sum() >= 3  # a spread distribution: the test cannot pass by accident
+    sigma = (p * (1 - p) / N).sqrt()
+    big = p > 0.005
+    assert ((emp - p).abs()[big] <= 5 * sigma[big]).all()
+    def tv(a, b):  # total variation over the frequent tokens plus one bucket for the long tail
+        return 0.5 * ((a - b).abs()[big].sum() + (a[~big].sum() - b[~big].sum()).abs()).item()
+    tv, tv_wrong = tv(emp, p), tv(emp, torch.softmax(logits, -1))
+    assert tv < 0.03 and tv_wrong > 3 * tv, (tv, tv_wrong)
+
+
+def test_evaluate_reproduces_warmup_record(tiny, problems):
+    model, tok = tiny
+    rec = json.loads((HERE / "data/tiny-qwen/warmup.json").read_text())
+    acc = qurl.evaluate(model, tok, problems, max_new_tokens=rec["max_new_tokens"], batch_size=100)["acc"]
+    assert abs(acc - rec["heldout_acc_500"]) <= 2 / 500, (acc, rec["heldout_acc_500"])
+
+
+# ======================================================================================================================
+# Quantization
+# ======================================================================================================================
+def _realistic_linear(K=512, N=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(K, N, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(N, K, generator=g) * 0.02)
+        lin.bias.copy_(torch.randn(N, generator=g) * 0.01)
+    x = torch.randn(64, K, generator=g)
+    x[:, :4] *= 8.0  # a few outlier channels, as in real activations
+    return lin, x
+
+
+def _rel_err(y, ref):
+    return ((y - ref).norm() / ref.norm()).item()
+
+
+# Bounds (relative Frobenius error of the output, excluding the exact bias):
+#  FP8 e4m3: 3 mantissa bits, so round-to-nearest leaves a relative error uniform within +-2^-4 of the binade base,
+#  RMS about 2^-4/sqrt(3) * 0.75 ~ 2.7 % per factor; weight and activation errors add in quadrature: ~3.8 %. Bound 5 %.
+#  INT8 absmax: step = absmax/127, RMS error step/sqrt(12); a Gaussian row of 512 has absmax ~3.3 sigma, so ~0.75 %
+#  per factor of the typical entry; activation outlier channels raise the activation step (absmax ~8x3 sigma):
+#  ~2 %, in quadrature ~2.2 %. Bound 3 %. Each also has a floor: no quantization at all would fail it.
+@pytest.mark.parametrize("fmt,bound,floor", [("fp8", 0.05, 0.005), ("int8", 0.03, 0.002)])
+def test_quantlinear_vs_fp32(fmt, bound, floor):
+    lin, x = _realistic_linear()
+    ref = lin(x)
+    q = qurl.QuantLinear(lin, fmt)
+    y = q(x)
+    err = _rel_err(y - lin.bias, ref - lin.bias)
+    assert floor < err < bound, err
+    assert q.weight_q.element_size() == 1
+
+
+def test_fp8_scaled_mm_and_emulation_agree():
+    lin, x = _realistic_linear()
+    a, b = qurl.QuantLinear(lin, "fp8", "scaled_mm"), qurl.QuantLinear(lin, "fp8", "emulate")
+    assert a.kernel == "scaled_mm" and b.kernel == "emulate"
+    torch.testing.assert_close(a(x), b(x), rtol=1e-5, atol=1e-6)
+    odd = qurl.QuantLinear(torch.nn.Linear(24, 40), "fp8", "scaled_mm")  # _scaled_mm refuses this shape
+    assert odd.kernel == "emulate"
+
+
+def test_quantize_fp8_clamps_and_scales():
+    w = torch.tensor([[1000.0, -2.0, 0.5], [0.0, 0.0, 0.0]])
+    w8, s = qurl.quantize_fp8(w)
+    assert w8.dtype == torch.float8_e4m3fn and torch.isfinite(w8.float()).all()
+    assert math.isclose(s[0].item(), 1000.0 / 448, rel_tol=1e-6) and w8[0, 0].float().item() == 448.0
+    assert (w8[1].float() == 0).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_quantized_tiny_model_close(tiny, problems, fmt):
+    model, tok = tiny
+    q = qurl.quantize_actor(model, fmt)
+    assert sum(isinstance(m, qurl.QuantLinear) for m in q.modules()) == 14  # 7 linears x 2 layers; lm_head stays
+    enc = tok([qurl.format_prompt(p["question"], tok) for p in problems[:16]], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        lf, lq = model(**enc).logits, q(**enc).logits
+    m = enc["attention_mask"].bool()
+    assert _rel_err(lq[m], lf[m]) < 0.05
+    ro_f = qurl.sample(model, tok, [qurl.format_prompt(p["question"], tok) for p in problems[:100]], 1, 32, 0)
+    ro_q = qurl.sample(q, tok, [qurl.format_prompt(p["question"], tok) for p in problems[:100]], 1, 32, 0)
+    agree = sum(a == b for a, b in zip(ro_f.texts, ro_q.texts))
+    assert agree >= 80, agree
+    codes, n = qurl.quant_bytes(q)
+    assert n > 4e5 and codes < 1.05 * n  # 1 byte per weight plus per-row scales
+
+
+def _adam_step(model, lr, seed=0):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 100, (4, 16), generator=g)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_sync_weights_flip_rate(tiny, fmt):
+    import copy
+    model = copy.deepcopy(tiny[0])
+    q = qurl.quantize_actor(model, fmt)
+    assert qurl.sync_weights(q, model) == 0.0
+    _adam_step(model, 1e-3)
+    flip = qurl.sync_weights(q, model)
+    assert 0 < flip < 1
+    fresh = qurl.quantize_actor(model, fmt)
+    for (n1, b1), (n2, b2) in zip(q.state_dict().items(), fresh.state_dict().items()):
+        assert n1 == n2 and torch.equal(b1.view(torch.uint8) if b1.dtype == torch.float8_e4m3fn else b1,
+                                        b2.view(torch.uint8) if b2.dtype == torch.float8_e4m3fn else b2), n1
+    assert qurl.sync_weights(q, model) == 0.0
+
+
+def test_invariant_scale_preserves_function_and_raises_flip_rate(tiny, problems):
+    import copy
+    model, tok = tiny
+    enc = tok([qurl.format_prompt(p["question"], tok) for p in problems[:8]], return_tensors="pt", padding=True)
+    scaled = copy.deepcopy(model)
+    qurl.invariant_scale(scaled, 1.5)
+    assert not torch.equal(scaled.model.layers[0].self_attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight)
+    with torch.no_grad():
+        ref, out = model(**enc).logits, scaled(**enc).logits
+        assert _rel_err(out, ref) <= 1e-5
+        q_ref, q_out = qurl.quantize_actor(model, "fp8")(**enc).logits, qurl.quantize_actor(scaled, "fp8")(**enc).logits
+        assert _rel_err(q_out, q_ref) < 2e-3  # same codes; only rounding of W/s and s*x differs
+    flips = []
+    for m in (copy.deepcopy(model), scaled):
+        q = qurl.quantize_actor(m, "fp8")
+        _adam_step(m, 1e-5)
+        flips.append(qurl.sync_weights(q, m))
+    assert flips[1] > 1.2 * flips[0] > 0, flips
+
+
+def test_invariant_scale_refuses_unknown_layers():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    m = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(qurl.QurlError, match="invariant-scale 1"):
+        qurl.invariant_scale(m, 1.5)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_aligned_linear_equals_quantlinear(fmt):
+    lin, x = _realistic_linear()
+    y_q = qurl.QuantLinear(lin, fmt)(x)
+    y_a = qurl._aligned_linear_forward(lin, fmt, x)
+    ulp = 1e-6 if fmt == "fp8" else 2.0 ** -10  # fp32 summation order; one fp16 ulp (relative) for INT8
+    assert ((y_a - y_q).abs() <= ulp * y_q.abs() + 1e-6).float().mean() > 0.99
+    assert ((y_a - y_q).abs() <= 2 * ulp * y_q.abs() + 1e-5).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_aligned_forward_matches_quantized_actor(tiny, problems, fmt):
+    import copy
+    model, tok = tiny
+    model = copy.deepcopy(model)
+    q = qurl.quantize_actor(model, fmt)
+    enc = tok([qurl.format_prompt(p["question"], tok) for p in problems[:8]], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        lq, lf = q(**enc).logits, model(**enc).logits
+    with qurl.rollout_aligned(model, fmt):
+        la = model(**enc).logits
+        la.float().logsumexp(-1).sum().backward()
+    m = enc["attention_mask"].bool()
+    err_aligned, err_fp = _rel_err(la.detach()[m], lq[m]), _rel_err(lf[m], lq[m])
+    # INT8 rounds each linear's output to fp16 (bitsandbytes' int8_mm_dequant); a one-ulp difference from the
+    # summation order flips an activation code downstream now and then, so the model-level gap is larger there.
+    assert err_aligned < (err_fp / 5 if fmt == "fp8" else err_fp * 0.8), (err_aligned, err_fp)
+    g = model.model.layers[0].mlp.down_proj.weight.grad
+    assert g is not None and g.abs().sum() > 0  # straight-through gradient reaches the fp weights
+    assert type(model.model.layers[0].mlp.down_proj).forward is torch.nn.Linear.forward
+    with torch.no_grad():
+        torch.testing.assert_close(model(**enc).logits, lf)  # the context restored the plain forward
+
+
+# ======================================================================================================================
+# Advantages and losses (hand-computed references)
+# ======================================================================================================================
+def test_group_advantages():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
+    adv, zero = qurl.group_advantages(r, 4)
+    s = math.sqrt(1 / 3)  # unbiased std of (1, 0, 0, 1): sqrt(4 * 0.25 / 3)
+    torch.testing.assert_close(adv[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (s + 1e-6))
+    assert adv[4:8].eq(0).all() and zero == 1
+    m, sd = 0.25, math.sqrt(0.75 / 3)  # (0, 0, 0, 1): mean 0.25, unbiased variance (3 * 0.0625 + 0.5625) / 3
+    torch.testing.assert_close(adv[8:], torch.tensor([-m, -m, -m, 1 - m]) / (sd + 1e-6))
+
+
+LP_BEHAV = [[-1.0, -1.0], [-1.0, -2.0]]
+LP_PROX = [[-0.5, -1.0], [-1.0, -1.0]]
+LP = [[-0.2, -1.2], [-1.5, -1.0]]
+ADV = [1.0, -1.0]
+
+
+def _loss(kind, lp=LP, prox=LP_PROX, behav=LP_BEHAV, adv=ADV, mask=None, **kw):
+    t = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    lp = t(lp).requires_grad_(True)
+    mask = torch.ones_like(lp) if mask is None else t(mask)
+    loss, m = qurl.policy_loss(lp, t(prox), t(behav), t(adv), mask, kind, **kw)
+    loss.backward()
+    return loss.item(), lp.grad, m
+
+
+def test_tis_by_hand():
+    e = math.exp
+    # token (0,0): w = min(e^0.5, 2), R = e^0.3 > 1.28 and A > 0: clipped at 1.28
+    # token (0,1): w = 1, R = e^-0.2 (unclipped), A = 1
+    # token (1,0): w = 1, R = e^-0.5 < 0.8 and A < 0: clipped at 0.8 -> -min(-R, -0.8) = 0.8
+    # token (1,1): w = min(e^1, 2) = 2, R = 1, A = -1 -> 2 * 1
+    expected = (-e(0.5) * 1.28 - e(-0.2) + 0.8 + 2.0) / 4
+    loss, grad, m = _loss("tis")
+    assert math.isclose(loss, expected, rel_tol=1e-9)
+    # clipped tokens get no gradient; unclipped: d/dlogp of -w R A = -w R A / 4
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -e(-0.2) / 4], [0.0, 2.0 / 4]], dtype=torch.float64))
+    assert m["clip/high"] == 0.25 and m["clip/low"] == 0.25
+
+
+def test_naive_by_hand():
+    e = math.exp
+    # ratio = pi_theta / pi_behav: e^0.8 (clip 1.28), e^-0.2, e^-0.5 (A<0, clip 0.8), e^1 (A<0: -min(-e, -1.28) = e)
+    expected = (-1.28 - e(-0.2) + 0.8 + e(1.0)) / 4
+    loss, grad, _ = _loss("naive")
+    assert math.isclose(loss, expected, rel_tol=1e-9)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -e(-0.2) / 4], [0.0, e(1.0) / 4]], dtype=torch.float64))
+
+
+def test_acr_widens_upper_bound_only_where_truncated():
+    e = math.exp
+    # one token: pi_prox / pi_behav = e > C = 2 (w truncated to 2), R = e^0.5 = 1.6487 > 1.28, A = +1
+    kw = dict(lp=[[-0.5]], prox=[[-1.0]], behav=[[-2.0]], adv=[1.0])
+    tis, _, _ = _loss("tis", **kw)
+    acr, g, m = _loss("acr", **kw)
+    assert math.isclose(tis, -2 * 1.28, rel_tol=1e-9)
+    upper = 1.28 / (2 * e(-1.0))              # (1 + eps_high) / r, r = C pi_behav / pi_prox = 2/e
+    assert math.isclose(m["clip/acr_upper"], upper, rel_tol=1e-9)
+    assert math.isclose(acr, -2 * e(0.5), rel_tol=1e-9)  # 1.6487 < 1.7396: not clipped under ACR
+    assert g.item() != 0
+
+
+def test_acr_equals_tis_within_cap():
+    g = torch.Generator().manual_seed(0)
+    behav = torch.randn(4, 6, generator=g, dtype=torch.float64) - 2
+    prox = behav + torch.rand(4, 6, generator=g, dtype=torch.float64) * math.log(2) * 2 - math.log(2)  # ratio <= 2
+    lp = prox + 0.3 * torch.randn(4, 6, generator=g, dtype=torch.float64)
+    adv = [1.0, -1.0, 0.5, -2.0]
+    a, ga, _ = _loss("acr", lp=lp.tolist(), prox=prox.tolist(), behav=behav.tolist(), adv=adv)
+    t, gt, _ = _loss("tis", lp=lp.tolist(), prox=prox.tolist(), behav=behav.tolist(), adv=adv)
+    assert a == t and torch.equal(ga, gt)
+
+
+def test_masked_tokens_leave_denominator():
+    e = math.exp
+    loss, grad, _ = _loss("tis", mask=[[1.0, 0.0], [0.0, 1.0]])
+    assert math.isclose(loss, (-e(0.5) * 1.28 + 2.0) / 2, rel_tol=1e-9)
+    assert grad[0, 1] == 0 and grad[1, 0] == 0
+    loss, grad, m = _loss("acr", mask=[[0.0, 0.0], [0.0, 0.0]])  # all masked: no division by zero
+    assert loss == 0.0 and grad.abs().sum() == 0 and m["mismatch/kl"] == 0.0
+
+
+def test_tbpo_by_hand():
+    # seq 0: A=+1, log-ratio 0 -> s = 1 inside the band, w = 1: contributes -1
+    # seq 1: A=-1, mean log-ratio +0.1 -> s = e^0.1 > 1 + 7e-4: clipped to the band edge, +1.0007, no gradient
+    # seq 2: mismatch mean log(pi_prox/pi_behav) = 1 -> w = e > 2: dropped
+    # seq 3: fully masked: dropped
+    lp = [[-1.0, -1.0], [-0.9, -0.9], [-1.0, -1.0], [-1.0, -1.0]]
+    prox = [[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0]]
+    behav = [[-1.0, -1.0], [-1.0, -1.0], [-2.0, -2.0], [-1.0, -1.0]]
+    mask = [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]
+    loss, grad, m = _loss("tbpo", lp=lp, prox=prox, behav=behav, adv=[1.0, -1.0, 1.0, 1.0], mask=mask)
+    assert math.isclose(loss, (-1.0 + 1.0007) / 2, rel_tol=1e-9)
+    # d/dlogp_t of -s A / n_kept with s = exp(mean_t): -A s / (T n_kept) = -1 / (2 * 2)
+    torch.testing.assert_close(grad[0], torch.tensor([-0.25, -0.25], dtype=torch.float64))
+    assert grad[1:].abs().sum() == 0
+    assert m["tbpo/kept"] == 0.5
+
+
+def test_tbpo_negative_band_zero_gradient_both_sides():
+    for shift in (+0.5, -0.5):  # exploding or vanishing ratio of a negative-advantage sequence
+        _, grad, _ = _loss("tbpo", lp=[[-1.0 + shift, -1.0 + shift]], prox=[[-1.0, -1.0]], behav=[[-1.0, -1.0]],
+                           adv=[-1.0])
+        assert grad.abs().sum() == 0
+
+
+@pytest.mark.parametrize("kind", ["naive", "tis", "acr", "tbpo"])
+def test_on_policy_gradient_is_plain_policy_gradient(kind):
+    g = torch.Generator().manual_seed(1)
+    lp0 = torch.randn(3, 5, generator=g, dtype=torch.float64) - 1
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float64)
+    adv = torch.tensor([1.5, -0.5, 0.7], dtype=torch.float64)
+    _, grad, _ = _loss(kind, lp=lp0.tolist(), prox=lp0.tolist(), behav=lp0.tolist(), adv=adv.tolist(),
+                       mask=mask.tolist())
+    if kind == "tbpo":  # -A_i * mean_t grad logp, averaged over sequences
+        ref = -adv[:, None] * mask / mask.sum(1, keepdim=True) / 3
+    else:               # -A_i * grad logp, token mean over the batch
+        ref = -adv[:, None] * mask / mask.sum()
+    torch.testing.assert_close(grad, ref)
+
+
+# ======================================================================================================================
+# Training loop
+# ======================================================================================================================
+def _small_args(tmp_path, **kw):
+    base = dict(steps=2, prompts_per_step=4, group_size=4, max_new_tokens=24, eval_every=2, eval_size=20,
+                out_dir=str(tmp_path), log_every=1, save_every=1)
+    base.update(kw)
+    return qurl.Args(**base)
+
+
+@pytest.mark.parametrize("quant,loss,extra", [
+    ("none", "tis", {}), ("int8", "acr", {}), ("fp8", "acr", {}), ("fp8", "naive", {}), ("fp8", "tis", {}),
+    ("fp8", "tbpo", {}), ("fp8", "tbpo", {"align_forward": True}),
+    ("int8", "acr", {"ppo_epochs": 2, "mini_batches": 2, "kl_coef": 0.01, "lr": 1e-3}),
+])
+def test_end_to_end(tmp_path, tiny, quant, loss, extra):
+    args = _small_args(tmp_path, quant=quant, loss=loss, run_name="r", **extra)
+    qurl.train(args)
+    rows = [json.loads(l) for l in (tmp_path / "r/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert set(qurl.METRIC_KEYS) <= set(r), set(qurl.METRIC_KEYS) - set(r)
+        assert all(v is None or math.isfinite(v) for v in r.values())
+    assert rows[-1]["eval/acc"] is not None
+    final = torch.load(tmp_path / "r/ckpt/state.pt", weights_only=False)["model"]
+    init = tiny[0].state_dict()
+    assert any(not torch.equal(final[k], init[k]) for k in init)  # the weights moved
+    if quant != "none":
+        assert rows[0]["quant/flip_rate"] == 0.0 and rows[1]["quant/flip_rate"] > 0  # synced before each rollout
