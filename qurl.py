@@ -48,6 +48,8 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+# bitsandbytes logs at import that an optional 4-bit CPU kernel package is absent; qurl uses no 4-bit op
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 class QurlError(Exception):
@@ -89,7 +91,7 @@ class Args:
     is_cap: float = arg(2.0, "truncation C of the importance weight pi_prox/pi_behav")
     kl_coef: float = arg(0.0, "weight of the k3 KL penalty to the initial actor (0: off, no reference model)")
     # rollout
-    steps: int = arg(250, "RL steps (one rollout batch and its updates per step)")
+    steps: int = arg(900, "RL steps (one rollout batch and its updates per step)")
     prompts_per_step: int = arg(16, "distinct problems per step")
     group_size: int = arg(8, "samples per problem (GRPO group)")
     max_new_tokens: int = arg(32, "response length limit")
@@ -103,7 +105,7 @@ class Args:
     skip_zero_adv: bool = arg(True, "leave groups whose rewards are all equal (zero advantage) out of the update")
     micro_batch: int = arg(64, "rows per forward in token_logprobs (memory knob, no effect on the math)")
     # evaluation, logging, checkpoints
-    eval_every: int = arg(50, "evaluate the fp actor (greedy) every N steps, and at the end")
+    eval_every: int = arg(100, "evaluate the fp actor (greedy) every N steps, and at the end")
     eval_size: int = arg(500, "held-out problems per evaluation (0: all)")
     eval_batch: int = arg(256, "rows per evaluation batch")
     log_every: int = arg(10, "print a progress line every N steps")
@@ -367,6 +369,7 @@ def load_model(name_or_path: str = "data/tiny-qwen", device="cpu", dtype=torch.f
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     p = Path(name_or_path)
     if not p.is_dir() and not (HERE / name_or_path).is_dir() and (name_or_path.startswith((".", "/"))
                                                                     or name_or_path.count("/") != 1):
@@ -427,7 +430,7 @@ def _fp8_act(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fp8_kernel_for(device: torch.device, shape: tuple[int, int], prefer: str = "auto") -> str:
     """'scaled_mm' where torch._scaled_mm runs (CPU; CUDA with compute capability >= 8.9) and the dims are multiples
     of 16, else 'emulate': dequantize-and-matmul with the same numerics (an A100, odd shapes, or --fp8-kernel emulate)."""
-    if prefer == "emulate" or shape[0] % 16 or shape[1] % 16:
+    if prefer == "emulate" or shape[0] % 16 or shape[1] % 16 or not hasattr(torch, "_scaled_mm"):
         return "emulate"
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         return "emulate"
@@ -457,8 +460,9 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         self.kernel = "bnb" if fmt == "int8" else fp8_kernel_for(w.device, tuple(w.shape), fp8_kernel)
         if fmt == "fp8" and self.kernel == "emulate" and fp8_kernel != "emulate":
-            _notice_once("fp8-fallback", "FP8: torch._scaled_mm needs CUDA compute capability >= 8.9 and dims that "
-                                         "are multiples of 16; using dequantize-and-matmul (same numerics, slower)")
+            _notice_once("fp8-fallback", "FP8: torch._scaled_mm is unavailable here (it needs CPU or CUDA compute "
+                                         "capability >= 8.9, and dims that are multiples of 16); using "
+                                         "dequantize-and-matmul with the same numerics (slower)")
         self.load_weight(w)
 
     @torch.no_grad()

@@ -594,3 +594,149 @@ def test_end_to_end(tmp_path, tiny, quant, loss, extra):
     assert any(not torch.equal(final[k], init[k]) for k in init)  # the weights moved
     if quant != "none":
         assert rows[0]["quant/flip_rate"] == 0.0 and rows[1]["quant/flip_rate"] > 0  # synced before each rollout
+
+
+# ======================================================================================================================
+# Reliability: checkpoints, resume, bad input, numeric guards
+# ======================================================================================================================
+def _metrics(path):
+    rows = [json.loads(l) for l in Path(path).read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+def test_resume_after_interrupt_reproduces_metrics(tmp_path, monkeypatch):
+    """Uninterrupted 5 steps == (Ctrl-C after step 3, resume) == (crash in step 4 after a checkpoint at 2, resume)."""
+    kw = dict(steps=5, quant="fp8", loss="acr", eval_every=2, save_every=2, lr=1e-3)
+    qurl.train(_small_args(tmp_path, run_name="full", **kw))
+    ref = _metrics(tmp_path / "full/metrics.jsonl")
+    assert len(ref) == 5
+
+    real_sync, calls = qurl.sync_weights, {"n": 0}
+
+    def ctrl_c_in_step_3(q, m):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            qurl._request_stop(2, None)  # what the SIGINT handler does: finish this step, checkpoint, exit
+        return real_sync(q, m)
+    monkeypatch.setattr(qurl, "sync_weights", ctrl_c_in_step_3)
+    with pytest.raises(SystemExit) as e:
+        qurl.train(_small_args(tmp_path, run_name="cut", **kw))
+    assert e.value.code == 130 and len(_metrics(tmp_path / "cut/metrics.jsonl")) == 3
+    monkeypatch.setattr(qurl, "sync_weights", real_sync)
+    qurl.train(_small_args(tmp_path, resume=str(tmp_path / "cut"), **kw))
+    assert _metrics(tmp_path / "cut/metrics.jsonl") == ref
+
+    calls["n"] = 0
+
+    def crash_in_step_4(q, m):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("simulated crash")
+        return real_sync(q, m)
+    monkeypatch.setattr(qurl, "sync_weights", crash_in_step_4)
+    with pytest.raises(RuntimeError):
+        qurl.train(_small_args(tmp_path, run_name="crash", **kw))
+    assert len(_metrics(tmp_path / "crash/metrics.jsonl")) == 3  # steps 1-3 logged, checkpoint at 2
+    monkeypatch.setattr(qurl, "sync_weights", real_sync)
+    qurl.train(_small_args(tmp_path, resume=str(tmp_path / "crash"), **kw))
+    assert _metrics(tmp_path / "crash/metrics.jsonl") == ref
+
+
+def test_checkpoint_write_is_atomic(tmp_path, tiny, monkeypatch):
+    import copy
+    model = copy.deepcopy(tiny[0])
+    opt = torch.optim.AdamW(model.parameters())
+    gen = torch.Generator()
+    args = qurl.Args()
+    qurl.save_checkpoint(tmp_path, model, None, opt, 7, 0, gen, args, {"m": 1})
+
+    def broken_save(*a, **k):
+        raise OSError("disk full")
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError):
+        qurl.save_checkpoint(tmp_path, model, None, opt, 8, 0, gen, args, {"m": 1})
+    assert qurl.load_checkpoint(tmp_path)["step"] == 7  # the previous checkpoint survived
+
+
+def test_non_finite_updates_are_skipped_then_stop(tmp_path, tiny, monkeypatch):
+    real = qurl.policy_loss
+
+    def nan_loss(*a, **k):
+        loss, m = real(*a, **k)
+        return loss * float("nan"), m
+    monkeypatch.setattr(qurl, "policy_loss", nan_loss)
+    args = _small_args(tmp_path, run_name="nan", steps=6, quant="none", max_bad_steps=2, prompts_per_step=8,
+                       skip_zero_adv=False)
+    with pytest.raises(qurl.QurlError, match="non-finite"):
+        qurl.train(args)
+    rows = _metrics(tmp_path / "nan/metrics.jsonl")
+    assert rows[0]["guard/skipped"] == 1
+    state = torch.load(tmp_path / "nan/ckpt/state.pt", weights_only=False)  # the last good checkpoint (step 1)
+    init = tiny[0].state_dict()
+    assert state["step"] == 1 and all(torch.equal(state["model"][k], init[k]) for k in init)
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--bogus-flag"], ["unrecognized arguments: --bogus-flag"]),
+    (["--lr", "abc"], ["--lr", "invalid float value"]),
+    (["--group-size", "1"], ["--group-size must be >= 2"]),
+    (["--temperature", "-1"], ["--temperature must be >= 0"]),
+    (["--eps-low", "1.5"], ["--eps-low must be in [0, 1)"]),
+    (["--invariant-scale", "0"], ["--invariant-scale must be > 0"]),
+    (["--is-cap", "0.5"], ["--is-cap must be >= 1"]),
+    (["--quant", "int4"], ["invalid choice: 'int4'"]),
+    (["--dry-run", "--model", "no/such/dir"], ["model not found"]),
+    (["--dry-run", "--model", "Qwen/Qwen2.5-0.5B-Instruct"], ["offline", "data/tiny-qwen"]),
+    (["--dry-run", "--train-data", "openai/gsm8k"], ["offline", "local"]),
+    (["--device", "cuda", "--dry-run"], ["CUDA was requested"]),
+    (["--align-forward", "--quant", "none"], ["--align-forward needs a quantizer"]),
+])
+def test_bad_cli_input_one_line(argv, needles):
+    if "CUDA was requested" in needles and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    assert_one_line_error(run_cli(*argv), *needles)
+
+
+def test_run_dir_rules(tmp_path, tiny):
+    long_q = tmp_path / "long.jsonl"
+    long_q.write_text(json.dumps({"question": "What is " + "1 + " * 80 + "1?", "answer": "#### 81"}) + "\n")
+    out = str(tmp_path / "runs")
+    common = ["--out-dir", out, "--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-size", "4",
+              "--quant", "none"]
+    assert_one_line_error(run_cli(*common, "--train-data", str(long_q), "--run-name", "long"),
+                          "exceeds the model's context")
+    assert not (Path(out) / "long").exists()  # refused before anything was written
+    assert run_cli(*common, "--run-name", "a").returncode == 0
+    before = (Path(out) / "a/metrics.jsonl").read_text()
+    assert_one_line_error(run_cli(*common, "--run-name", "a"), "already exists", "--resume")
+    assert (Path(out) / "a/metrics.jsonl").read_text() == before  # nothing overwritten
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    assert_one_line_error(run_cli(*common, "--resume", str(empty)), "no checkpoint")
+    ck = torch.load(Path(out) / "a/ckpt/state.pt", weights_only=False)
+    ck["model_id"]["hidden"] = 999
+    (tmp_path / "other/ckpt").mkdir(parents=True)
+    torch.save(ck, tmp_path / "other/ckpt/state.pt")
+    assert_one_line_error(run_cli(*common, "--resume", str(tmp_path / "other")), "different model")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    assert_one_line_error(run_cli(*common, "--out-dir", str(blocker / "sub")), "cannot write")
+
+
+def test_missing_or_old_bitsandbytes(monkeypatch, tiny):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    with pytest.raises(qurl.QurlError, match="needs bitsandbytes >= 0.46.*--quant fp8"):
+        qurl.quantize_actor(tiny[0], "int8")
+    import types
+    monkeypatch.setitem(sys.modules, "bitsandbytes", types.SimpleNamespace(__version__="0.45.5"))
+    with pytest.raises(qurl.QurlError, match="found 0.45.5"):
+        qurl.quantize_actor(tiny[0], "int8")
+
+
+def test_fp8_without_scaled_mm_falls_back_with_notice(monkeypatch, capsys):
+    monkeypatch.delattr(torch, "_scaled_mm")
+    monkeypatch.setattr(qurl, "_NOTICED", set())
+    lin, x = _realistic_linear()
+    q = qurl.QuantLinear(lin, "fp8")
+    assert q.kernel == "emulate" and "dequantize-and-matmul" in capsys.readouterr().err
+    assert _rel_err(q(x) - lin.bias, lin(x) - lin.bias) < 0.05
