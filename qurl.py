@@ -121,7 +121,9 @@ class Args:
     # other modes
     dry_run: bool = arg(False, "print the resolved config, model size, data and one prompt, then exit")
     bench_rollout: bool = arg(False, "benchmark sample() against model.generate and exit")
-    model_config: str | None = arg(None, "bench a published architecture with random weights (see MODEL_CONFIGS)")
+    bench_quant: bool = arg(False, "benchmark rollout tokens/s for none/int8/fp8 (fixed length) and exit")
+    model_config: str | None = arg(None, "bench a published architecture with random weights instead of --model: "
+                                         "qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen3-0.6b or qwen2-h512-l8")
     bench_batch: str = arg("128", "bench batch sizes, comma separated (rows = prompts x group)")
     bench_len: int = arg(32, "bench response length")
     bench_runs: int = arg(5, "bench repetitions (the median is reported)")
@@ -129,21 +131,37 @@ class Args:
     out: str = arg("assets/runs.png", "output file of --plot")
 
 
-def parse_args(argv=None) -> Args:
-    """argparse generated from the Args dataclass: each field's help is its one-line doc."""
+def _parser(defaults: bool = True) -> argparse.ArgumentParser:
+    """argparse generated from the Args dataclass: each field's help is its one-line doc. defaults=False leaves
+    unset flags out of the result (to tell which flags the user typed)."""
     p = argparse.ArgumentParser(prog="qurl.py", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                argument_default=None if defaults else argparse.SUPPRESS)
     p.error = lambda msg: _die(f"{msg} (see python qurl.py --help)")  # one line, no usage dump
     for f in dataclasses.fields(Args):
         name, meta = "--" + f.name.replace("_", "-"), dict(f.metadata)
+        default = f.default if defaults else argparse.SUPPRESS
         kind = f.type if isinstance(f.type, str) else str(f.type)
         if kind == "bool":
-            p.add_argument(name, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
+            p.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
             continue
         base = {"int": int, "float": float}.get(kind.split(" ")[0], str)
-        p.add_argument(name, type=base, default=f.default, help=meta["help"], choices=meta.get("choices"),
+        p.add_argument(name, type=base, default=default, help=meta["help"], choices=meta.get("choices"),
                        nargs=meta.get("nargs"))
-    args = Args(**vars(p.parse_args(argv)))
+    return p
+
+
+def parse_args(argv=None) -> Args:
+    """Parse and validate. With --resume DIR the run's saved args.json is the base and only the flags typed now
+    override it, so `python qurl.py --resume runs/x` continues the run as it was started."""
+    args = Args(**vars(_parser().parse_args(argv)))
+    if args.resume:
+        saved = Path(args.resume) / "args.json"
+        if not saved.is_file():
+            _die(f"--resume {args.resume}: no checkpoint there (not a run folder: {saved} is missing)")
+        base = {k: v for k, v in json.loads(saved.read_text()).items() if k in {f.name for f in dataclasses.fields(Args)}}
+        typed = vars(_parser(defaults=False).parse_args(argv))
+        args = Args(**{**base, **typed})
     msg = validate_args(args)
     if msg:
         _die(msg)
@@ -486,10 +504,16 @@ class QuantLinear(nn.Module):
             y = bnbF.int8_mm_dequant(acc, s_x, self.weight_scale).to(x.dtype)  # * absmax_x*absmax_w/127^2
         else:
             x8, s_x = _fp8_act(x2)
+            y = None
             if self.kernel == "scaled_mm":
-                y = torch._scaled_mm(x8, self.weight_q.t(), scale_a=s_x, scale_b=self.weight_scale[None, :],
-                                     out_dtype=x.dtype)
-            else:  # same numerics: fp8 codes are exact in fp32, products accumulated in fp32
+                try:
+                    y = torch._scaled_mm(x8, self.weight_q.t(), scale_a=s_x, scale_b=self.weight_scale[None, :],
+                                         out_dtype=x.dtype)
+                except RuntimeError as e:  # e.g. row-wise scales with an fp32 output on some CUDA builds
+                    self.kernel = "emulate"
+                    _notice_once("fp8-runtime", f"FP8: torch._scaled_mm refused this call ({str(e)[:80]}); "
+                                                f"using dequantize-and-matmul with the same numerics")
+            if y is None:  # same numerics: fp8 codes are exact in fp32, products accumulated in fp32
                 y = ((x8.float() @ self.weight_q.float().t()) * s_x * self.weight_scale).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
@@ -638,6 +662,10 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> 
         logp = torch.log_softmax(logits.float(), dim=-1)
         tok = logp.argmax(dim=-1)
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    if top_p == 1.0:  # one softmax pass over the vocabulary; log of the drawn token's probability
+        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        tok = torch.multinomial(probs, 1, generator=generator)
+        return tok.squeeze(-1), probs.gather(-1, tok).log().squeeze(-1)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_lp, idx = logp.sort(dim=-1, descending=True)
@@ -686,7 +714,7 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
     end = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)   # index of the first EOS
     live = torch.arange(B, device=device)                              # batch row -> output row
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    steps_run = 0
+    steps_run, sync_every = 0, 1 if device.type == "cpu" else 8
     for t in range(max_new_tokens):
         tok, lp = _pick(logits, temperature, top_p, generator)
         tok = torch.where(done, pad, tok)
@@ -698,7 +726,8 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
             done = done | fin
         if t == max_new_tokens - 1:
             break
-        n_done = int(done.sum()) if not ignore_eos else 0   # the one host sync per step
+        # the one host sync of the loop: every step on CPU, every 8th on CUDA (it stalls the launch queue there)
+        n_done = int(done.sum()) if not ignore_eos and t % sync_every == 0 else 0
         if n_done == len(live):
             break
         if n_done and n_done >= drop_frac * len(live):       # drop finished rows from the batch and the cache
@@ -927,15 +956,15 @@ def train(args: Args) -> dict:
     gen = torch.Generator(device=device).manual_seed(args.seed)
     order_gen = torch.Generator().manual_seed(args.seed + 1)
     ckpt = load_checkpoint(d) if args.resume else None
-    if ckpt is not None:
-        if ckpt["model_id"] != _model_id(model):
-            raise QurlError(f"--resume {d}: checkpoint is of a different model ({ckpt['model_id']}) than "
-                            f"--model {args.model} ({_model_id(model)})")
-        model.load_state_dict(ckpt["model"])          # already invariant-scaled when it was saved
-    elif s != 1.0:
+    if ckpt is not None and ckpt["model_id"] != _model_id(model):
+        raise QurlError(f"--resume {d}: checkpoint is of a different model ({ckpt['model_id']}) than "
+                        f"--model {args.model} ({_model_id(model)})")
+    if s != 1.0:
         invariant_scale(model, s)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None  # the start
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
     q_model = quantize_actor(model, fmt, args.fp8_kernel) if fmt else None
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     start, data_pos = 0, 0
     if ckpt is not None:
@@ -1196,15 +1225,19 @@ def _timed(fn, runs: int, device) -> tuple[float, object]:
     return sorted(times)[len(times) // 2], out
 
 
+def _bench_model(args: Args, device, dtype):
+    """The loaded --model, or a published architecture with random weights (and the tiny tokenizer)."""
+    if args.model_config:
+        tok = load_model(str(HERE / "data/tiny-qwen"), "cpu", torch.float32)[1]
+        return build_from_config(args.model_config, device, dtype), tok
+    model, tok = load_model(args.model, device, dtype)
+    return model.eval(), tok
+
+
 def bench_rollout(args: Args) -> list[dict]:
     """tokens/s of `sample` and of `model.generate` on the same prompts, batch and length; median of runs."""
     device, dtype = resolve_device_dtype(args.device, args.dtype)
-    tok = load_model(str(HERE / "data/tiny-qwen"), "cpu", torch.float32)[1] if args.model_config else None
-    if args.model_config:
-        model = build_from_config(args.model_config, device, dtype)
-    else:
-        model, tok = load_model(args.model, device, dtype)
-        model.eval()
+    model, tok = _bench_model(args, device, dtype)
     fmt = None if args.quant == "none" else args.quant
     actor = quantize_actor(model, fmt, args.fp8_kernel) if fmt else model
     problems = load_problems(args.test_data, args.test_split, args.question_field, args.answer_field,
@@ -1224,9 +1257,9 @@ def bench_rollout(args: Args) -> list[dict]:
             t_ours, ro = _timed(lambda: sample(actor, tok, prompts, G, args.bench_len, temp, generator=gen,
                                                ignore_eos=ignore_eos), args.bench_runs, device)
             ours_tok = float(ro.response_mask.sum())
-            enc = tok(prompts, return_tensors="pt", padding=True).to(device)
-            kw = dict(do_sample=temp > 0, max_new_tokens=args.bench_len, num_return_sequences=G,
-                      pad_token_id=tok.pad_token_id, top_k=0, top_p=1.0)
+            enc = tok([p for p in prompts for _ in range(G)], return_tensors="pt", padding=True).to(device)
+            kw = dict(do_sample=temp > 0, max_new_tokens=args.bench_len, pad_token_id=tok.pad_token_id, top_k=0,
+                      top_p=1.0)
             kw.update(temperature=temp) if temp > 0 else None
             if ignore_eos:
                 kw["min_new_tokens"] = args.bench_len
@@ -1244,6 +1277,69 @@ def bench_rollout(args: Args) -> list[dict]:
             print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
                   flush=True)
     return rows
+
+
+def bench_quant(args: Args) -> list[dict]:
+    """Rollout throughput of the model (or a published architecture; fixed response length: EOS ignored) for
+    --quant none|int8|fp8 at each --bench-batch: tokens/s, ratio to the unquantized model in the model dtype (bf16 on
+    CUDA), peak GPU memory, and the share of the rollout spent in the decoder linears (timed apart, see below)."""
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    model, tok = _bench_model(args, device, dtype)
+    problems = load_problems(args.test_data, args.test_split, args.question_field, args.answer_field,
+                             args.data_config)
+    rows, base = [], {}
+    for fmt in ("none", "int8", "fp8"):
+        if fmt == "int8":
+            try:
+                _require_bnb()
+            except QurlError as e:
+                notice(f"bench: skipping int8 ({e})")
+                continue
+        actor = model if fmt == "none" else quantize_actor(model, fmt, args.fp8_kernel)
+        for batch in (int(b) for b in args.bench_batch.split(",")):
+            prompts = [format_prompt(problems[i % len(problems)]["question"], tok) for i in range(batch)]
+            gen = torch.Generator(device=device).manual_seed(args.seed)
+            run = lambda: sample(actor, tok, prompts, 1, args.bench_len, 1.0, generator=gen,  # noqa: E731
+                                 ignore_eos=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            _timed(run, 1, device)
+            t, ro = _timed(run, args.bench_runs, device)
+            tok_s = float(ro.response_mask.sum()) / t
+            base.setdefault(batch, tok_s) if fmt == "none" else None
+            row = {"model": args.model_config or Path(args.model).name, "quant": fmt, "batch": batch, "len": args.bench_len,
+                   "tok_s": tok_s, "ratio_to_unquantized": tok_s / base[batch] if batch in base else float("nan"),
+                   "linear_share": _linear_share(actor, run, device) / t}
+            if fmt != "none":
+                row["kernel"] = next(m.kernel for m in actor.modules() if isinstance(m, QuantLinear))
+            if device.type == "cuda":
+                row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            rows.append(row)
+            print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                  flush=True)
+        del actor
+    return rows
+
+
+def _linear_share(actor, run, device) -> float:
+    """Seconds one rollout spends in its decoder linears: record every input shape they see in one rollout, then
+    time those calls apart on random inputs (no hooks stay in the timed rollout, so it is not slowed)."""
+    shapes = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: shapes.append((mod, tuple(inp[0].shape))))
+             for _, m in decoder_linears(actor)]
+    with torch.no_grad():
+        run()
+    for h in hooks:
+        h.remove()
+    dtype = next(actor.parameters()).dtype
+    xs = {shape: torch.randn(shape, device=device, dtype=dtype) for _, shape in shapes}
+
+    def replay():
+        with torch.no_grad():
+            for mod, shape in shapes:
+                mod(xs[shape])
+    return _timed(replay, 1, device)[0]
 
 
 def _generated_tokens(resp: torch.Tensor, stops: list[int], ignore_eos: bool) -> float:
@@ -1320,6 +1416,8 @@ def main(argv=None) -> None:
             plot_runs(args.plot, args.out)
         elif args.dry_run:
             dry_run(args)
+        elif args.bench_quant:
+            bench_quant(args)
         elif args.bench_rollout:
             bench_rollout(args)
         else:

@@ -713,10 +713,19 @@ def test_run_dir_rules(tmp_path, tiny):
     empty = tmp_path / "empty_run"
     empty.mkdir()
     assert_one_line_error(run_cli(*common, "--resume", str(empty)), "no checkpoint")
+    (empty / "args.json").write_text((Path(out) / "a/args.json").read_text())
+    assert_one_line_error(run_cli(*common, "--resume", str(empty)), "no checkpoint")
+    # --resume alone continues with the run's saved flags (here --quant none, 2 prompts); typed flags override
+    res = run_cli("--resume", str(Path(out) / "a"), "--steps", "2")
+    assert res.returncode == 0, res.stderr
+    rows = _metrics(Path(out) / "a/metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["quant/flip_rate"] == 0.0
+    assert rows[1]["rollout/len_mean"] > 0 and json.loads((Path(out) / "a/summary.json").read_text())["steps"] == 2
     ck = torch.load(Path(out) / "a/ckpt/state.pt", weights_only=False)
     ck["model_id"]["hidden"] = 999
     (tmp_path / "other/ckpt").mkdir(parents=True)
     torch.save(ck, tmp_path / "other/ckpt/state.pt")
+    (tmp_path / "other/args.json").write_text((Path(out) / "a/args.json").read_text())
     assert_one_line_error(run_cli(*common, "--resume", str(tmp_path / "other")), "different model")
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
@@ -740,3 +749,62 @@ def test_fp8_without_scaled_mm_falls_back_with_notice(monkeypatch, capsys):
     q = qurl.QuantLinear(lin, "fp8")
     assert q.kernel == "emulate" and "dequantize-and-matmul" in capsys.readouterr().err
     assert _rel_err(q(x) - lin.bias, lin(x) - lin.bias) < 0.05
+
+
+# ======================================================================================================================
+# Plots
+# ======================================================================================================================
+def test_plot_writes_png(tmp_path):
+    mpl = pytest.importorskip("matplotlib", reason="matplotlib is not installed (it is in requirements.txt)")
+    for name, quant in (("p_none", "none"), ("p_fp8", "fp8")):
+        qurl.train(_small_args(tmp_path, run_name=name, quant=quant, steps=3, eval_every=1))
+    out = tmp_path / "fig" / "cmp.png"
+    qurl.main(["--plot", str(tmp_path / "p_none"), str(tmp_path / "p_fp8"), "--out", str(out)])
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    import matplotlib.image
+    img = matplotlib.image.imread(out)
+    assert img.shape[0] > 200 and img.shape[1] > 800 and img.std() > 0.01  # a drawn figure, not a blank canvas
+    with pytest.raises(SystemExit):
+        qurl.main(["--plot", str(tmp_path / "nope"), "--out", str(out)])
+
+
+# ======================================================================================================================
+# CUDA (skipped with a reason where torch sees no CUDA device)
+# ======================================================================================================================
+@CUDA
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_cuda_quantlinear_matches_cpu_reference(fmt):
+    lin, x = _realistic_linear()
+    ref = qurl.QuantLinear(lin, fmt)(x)                      # CPU, fp32: the reference math
+    lin_c = torch.nn.Linear(lin.in_features, lin.out_features).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        lin_c.weight.copy_(lin.weight)
+        lin_c.bias.copy_(lin.bias)
+    q = qurl.QuantLinear(lin_c, fmt)
+    if fmt == "fp8" and torch.cuda.get_device_capability() >= (8, 9):
+        assert q.kernel == "scaled_mm"
+    y = q(x.cuda().to(torch.bfloat16)).float().cpu()
+    # bf16 weights and inputs (8 mantissa bits) and a bf16 output: about 0.5 % relative, bound 2 %
+    assert _rel_err(y, ref) < 0.02
+
+
+@CUDA
+def test_cuda_sample_logprobs_bf16(problems):
+    model, tok = qurl.load_model(TINY, "cuda", torch.bfloat16)
+    model.eval()
+    prompts = _mixed_prompts(tok, problems, 8)
+    ro = qurl.sample(model, tok, prompts, n=4, max_new_tokens=32, temperature=1.0,
+                     generator=torch.Generator(device="cuda").manual_seed(0))
+    lp = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask, 1.0)
+    diff = ((lp - ro.logp_behav) * ro.response_mask).abs()
+    # bf16 logits: cached decode and a full forward differ by a few bf16 ulps of the logits
+    assert diff.sum() / ro.response_mask.sum() < 0.02 and diff.max() < 0.25
+
+
+@CUDA
+@pytest.mark.parametrize("quant", ["fp8", "int8"])
+def test_cuda_two_step_rl(tmp_path, quant):
+    qurl.train(_small_args(tmp_path, run_name="c", quant=quant, device="cuda"))
+    rows = [json.loads(l) for l in (tmp_path / "c/metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(v is None or math.isfinite(v) for r in rows for v in r.values())
