@@ -1136,9 +1136,10 @@ def train_step(step, args, model, q_model, ref_model, opt, tok, gen, fmt, probs)
                     notice(f"step {step}: non-finite loss or gradient, update skipped")
                 loss_metrics.append(lm)
     for k in ("mismatch/kl", "mismatch/logp_absdiff", "mismatch/ratio_max", "clip/low", "clip/high",
-              "clip/acr_upper", "loss/policy", "loss/entropy", "loss/kl"):
+              "clip/acr_upper", "loss/policy", "loss/entropy", "loss/kl", "tbpo/kept"):
         vals = [lm[k] for lm in loss_metrics if k in lm]
-        m[k] = (max(vals) if k == "mismatch/ratio_max" else sum(vals) / len(vals)) if vals else 0.0
+        if vals or k != "tbpo/kept":  # tbpo/kept exists only for --loss tbpo
+            m[k] = (max(vals) if k == "mismatch/ratio_max" else sum(vals) / len(vals)) if vals else 0.0
     m["guard/skipped"] = skipped
     dt = time.time() - t0
     m.update({"perf/rollout_tok_s": n_tok / max(t_roll, 1e-9), "perf/step_s": dt,
@@ -1388,8 +1389,12 @@ def plot_runs(run_dirs: list[str], out: str) -> None:
         if not f.is_file():
             raise QurlError(f"--plot: {f} not found (is {rd} a run folder?)")
         rows = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
+        summary = Path(rd) / "summary.json"
+        start = json.loads(summary.read_text()).get("start_eval_acc") if summary.is_file() else None
         for ax, (key, title) in zip(axes, panels):
             pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if key == "eval/acc" and start is not None:  # the warm start, evaluated before step 1
+                pts = [(0, start)] + pts
             if key == "reward/mean" and len(pts) > 20:  # smooth the noisy per-step reward
                 k = max(1, len(pts) // 25)
                 pts = [(pts[i][0], sum(v for _, v in pts[max(0, i - k):i + 1]) / len(pts[max(0, i - k):i + 1]))

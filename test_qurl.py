@@ -188,9 +188,8 @@ def test_bad_data_file(tmp_path, content, needles):
     assert_one_line_error(run_cli("--dry-run", "--train-data", str(f)), str(f), *needles)
 
 
-def test_bad_cli_inputs(tmp_path):
+def test_missing_data_file(tmp_path):
     assert_one_line_error(run_cli("--dry-run", "--train-data", str(tmp_path / "nope.jsonl")), "not found")
-    assert_one_line_error(run_cli("--quant", "int4"), "int4")
 
 
 # ======================================================================================================================
