@@ -159,7 +159,8 @@ def parse_args(argv=None) -> Args:
         saved = Path(args.resume) / "args.json"
         if not saved.is_file():
             _die(f"--resume {args.resume}: no checkpoint there (not a run folder: {saved} is missing)")
-        base = {k: v for k, v in json.loads(saved.read_text()).items() if k in {f.name for f in dataclasses.fields(Args)}}
+        names = {f.name for f in dataclasses.fields(Args)}
+        base = {k: v for k, v in json.loads(saved.read_text()).items() if k in names}
         typed = vars(_parser(defaults=False).parse_args(argv))
         args = Args(**{**base, **typed})
     msg = validate_args(args)
@@ -171,7 +172,8 @@ def parse_args(argv=None) -> Args:
 def validate_args(a: Args) -> str | None:
     """Return a one-line complaint about the first out-of-range value, or None."""
     checks = [
-        (a.group_size >= 2, f"--group-size must be >= 2 (a GRPO group needs two samples to compare), got {a.group_size}"),
+        (a.group_size >= 2,
+         f"--group-size must be >= 2 (a GRPO group needs two samples to compare), got {a.group_size}"),
         (a.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {a.prompts_per_step}"),
         (a.temperature >= 0, f"--temperature must be >= 0 (0 is greedy), got {a.temperature}"),
         (0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}"),
@@ -335,7 +337,8 @@ def _normalize(ans: str) -> str:
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer of a completion: '#### 42', then '\\boxed{42}', then 'the answer is 42', else the last number."""
+    """The final answer of a completion: '#### 42', then '\\boxed{42}', then 'the answer is 42', else the last
+    number."""
     if "####" in text:
         tail = text.rsplit("####", 1)[1].strip().split("\n")[0]
         return _normalize(tail) if tail else None
@@ -447,7 +450,7 @@ def _fp8_act(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_kernel_for(device: torch.device, shape: tuple[int, int], prefer: str = "auto") -> str:
     """'scaled_mm' where torch._scaled_mm runs (CPU; CUDA with compute capability >= 8.9) and the dims are multiples
-    of 16, else 'emulate': dequantize-and-matmul with the same numerics (an A100, odd shapes, or --fp8-kernel emulate)."""
+    of 16, else 'emulate': dequantize-and-matmul with the same numerics (an A100, odd shapes, --fp8-kernel emulate)."""
     if prefer == "emulate" or shape[0] % 16 or shape[1] % 16 or not hasattr(torch, "_scaled_mm"):
         return "emulate"
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
@@ -1269,15 +1272,19 @@ def bench_rollout(args: Args) -> list[dict]:
             t_gen, out = _timed(gen_fn, args.bench_runs, device)
             gen_tok = _generated_tokens(out[:, enc["input_ids"].shape[1]:], stop_token_ids(model, tok),
                                         ignore_eos)
-            row = {"model": args.model_config or Path(args.model).name, "quant": args.quant, "batch": G * n_prompts,
-                   "len": args.bench_len, "temperature": temp, "sample_tok_s": ours_tok / t_ours,
-                   "generate_tok_s": gen_tok / t_gen, "ratio": (ours_tok / t_ours) / (gen_tok / t_gen)}
-            if device.type == "cuda":
-                row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
-            rows.append(row)
-            print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                  flush=True)
+            rows.append(_report({"model": args.model_config or Path(args.model).name, "quant": args.quant,
+                                 "batch": G * n_prompts, "len": args.bench_len, "temperature": temp,
+                                 "sample_tok_s": ours_tok / t_ours, "generate_tok_s": gen_tok / t_gen,
+                                 "ratio": (ours_tok / t_ours) / (gen_tok / t_gen)}, device))
     return rows
+
+
+def _report(row: dict, device) -> dict:
+    """Add the peak GPU memory (on CUDA) and print the row as key=value pairs."""
+    if device.type == "cuda":
+        row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    return row
 
 
 def bench_quant(args: Args) -> list[dict]:
@@ -1308,17 +1315,13 @@ def bench_quant(args: Args) -> list[dict]:
             _timed(run, 1, device)
             t, ro = _timed(run, args.bench_runs, device)
             tok_s = float(ro.response_mask.sum()) / t
-            base.setdefault(batch, tok_s) if fmt == "none" else None
-            row = {"model": args.model_config or Path(args.model).name, "quant": fmt, "batch": batch, "len": args.bench_len,
-                   "tok_s": tok_s, "ratio_to_unquantized": tok_s / base[batch] if batch in base else float("nan"),
-                   "linear_share": _linear_share(actor, run, device) / t}
-            if fmt != "none":
-                row["kernel"] = next(m.kernel for m in actor.modules() if isinstance(m, QuantLinear))
-            if device.type == "cuda":
-                row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
-            rows.append(row)
-            print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                  flush=True)
+            if fmt == "none":
+                base[batch] = tok_s
+            kernel = next((m.kernel for m in actor.modules() if isinstance(m, QuantLinear)), "nn.Linear")
+            rows.append(_report({"model": args.model_config or Path(args.model).name, "quant": fmt, "batch": batch,
+                                 "len": args.bench_len, "tok_s": tok_s,
+                                 "ratio_to_unquantized": tok_s / base[batch] if batch in base else float("nan"),
+                                 "linear_share": _linear_share(actor, run, device) / t, "kernel": kernel}, device))
         del actor
     return rows
 
@@ -1370,7 +1373,8 @@ def dry_run(args: Args) -> None:
         print(f"quantized actor ({args.quant}): {qn / 1e6:.2f}M weights in decoder linears -> {qb / 2**20:.2f} MiB "
               f"(codes + scales, {qb / qn:.3f} B/weight; bf16 would be {2 * qn / 2**20:.2f} MiB)")
     print(f"problems: {len(train_set)} train, {len(test_set)} test")
-    print("one formatted prompt:\n" + format_prompt(train_set[0]["question"], tok) + f"\n(gold: {train_set[0]['gold']})")
+    print("one formatted prompt:\n" + format_prompt(train_set[0]["question"], tok)
+          + f"\n(gold: {train_set[0]['gold']})")
 
 
 def plot_runs(run_dirs: list[str], out: str) -> None:

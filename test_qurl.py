@@ -386,7 +386,8 @@ def test_invariant_scale_preserves_function_and_raises_flip_rate(tiny, problems)
     enc = tok([qurl.format_prompt(p["question"], tok) for p in problems[:8]], return_tensors="pt", padding=True)
     scaled = copy.deepcopy(model)
     qurl.invariant_scale(scaled, 1.5)
-    assert not torch.equal(scaled.model.layers[0].self_attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight)
+    q_w = lambda m: m.model.layers[0].self_attn.q_proj.weight  # noqa: E731
+    assert not torch.equal(q_w(scaled), q_w(model))
     with torch.no_grad():
         ref, out = model(**enc).logits, scaled(**enc).logits
         assert _rel_err(out, ref) <= 1e-5

@@ -140,7 +140,8 @@ def main() -> None:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     info = {"params": n_params, "sft_steps": step, "batch": BATCH, "lr": LR, "seconds": round(time.time() - t0, 1),
-            "heldout_acc_500": acc, "heldout_acc_first_100": acc100, "max_new_tokens": 32, "torch": torch.__version__}
+            "heldout_acc_500": round(acc, 4), "heldout_acc_first_100": round(acc100, 4), "max_new_tokens": 32,
+            "torch": torch.__version__}
     (out / "warmup.json").write_text(json.dumps(info, indent=1) + "\n")
     print(json.dumps(info))
 
