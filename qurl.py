@@ -1014,8 +1014,8 @@ def train(args: Args) -> dict:
     old_handler = signal.signal(signal.SIGINT, _request_stop) if _main_thread() else None
     try:
         for step in range(start + 1, args.steps + 1):
-            m, t_roll, n_tok = train_step(step, args, model, q_model, ref_model, opt, tok, gen, fmt,
-                                          next_problems(data_pos))
+            m, t_roll = train_step(step, args, model, q_model, ref_model, opt, tok, gen, fmt,
+                                   next_problems(data_pos))
             data_pos += P
             bad_in_row = bad_in_row + 1 if m["guard/skipped"] else 0
             skipped += m["guard/skipped"]
@@ -1025,9 +1025,10 @@ def train(args: Args) -> dict:
             m["guard/skipped"] = skipped
             rollout_time += t_roll
             step_time += m["perf/step_s"]
-            if step % args.eval_every == 0 or step == args.steps:
+            eval_now = step % args.eval_every == 0 or step == args.steps
+            if eval_now:
                 last_eval = run_eval()["acc"]
-            m["eval/acc"] = last_eval if step % args.eval_every == 0 or step == args.steps else None
+            m["eval/acc"] = last_eval if eval_now else None
             metrics_f.write(json.dumps(m) + "\n")
             metrics_f.flush()
             if step % args.log_every == 0 or step == args.steps:
@@ -1076,9 +1077,9 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def train_step(step, args, model, q_model, ref_model, opt, tok, gen, fmt, probs) -> tuple[dict, float, int]:
+def train_step(step, args, model, q_model, ref_model, opt, tok, gen, fmt, probs) -> tuple[dict, float]:
     """One RL step: sync -> rollout -> reward -> advantages -> logp_prox -> PPO epochs. Returns (metrics,
-    rollout seconds, response tokens). A non-finite loss or gradient skips that update (counted in guard/skipped)."""
+    rollout seconds). A non-finite loss or gradient skips that update (counted in guard/skipped)."""
     t0 = time.time()
     G = args.group_size
     m = {"step": step}
@@ -1102,9 +1103,9 @@ def train_step(step, args, model, q_model, ref_model, opt, tok, gen, fmt, probs)
     rows = torch.arange(len(rewards))
     if args.skip_zero_adv:  # groups with equal rewards have zero advantage: no gradient, so skip their compute
         rows = rows[rewards.view(-1, G).std(1).repeat_interleave(G) > 0]
-    device = ro.input_ids.device
-    ids, am, mask = ro.input_ids[rows.to(device)], ro.attention_mask[rows.to(device)], ro.response_mask[rows.to(device)]
-    lp_behav, a = ro.logp_behav[rows.to(device)], adv[rows].to(device)
+    idx = rows.to(ro.input_ids.device)
+    ids, am, mask, lp_behav = ro.input_ids[idx], ro.attention_mask[idx], ro.response_mask[idx], ro.logp_behav[idx]
+    a = adv[rows].to(idx.device)
     loss_metrics, skipped = [], 0
     one_update = args.ppo_epochs * args.mini_batches == 1
     with rollout_aligned(model, fmt if args.align_forward else None):
@@ -1147,7 +1148,7 @@ def train_step(step, args, model, q_model, ref_model, opt, tok, gen, fmt, probs)
     dt = time.time() - t0
     m.update({"perf/rollout_tok_s": n_tok / max(t_roll, 1e-9), "perf/step_s": dt,
               "perf/rollout_frac": t_roll / max(dt, 1e-9)})
-    return m, t_roll, n_tok
+    return m, t_roll
 
 
 def check_prompt_lengths(model, tok, problems: list[dict], max_new_tokens: int) -> None:
@@ -1256,15 +1257,16 @@ def bench_rollout(args: Args) -> list[dict]:
             gen = torch.Generator(device=device).manual_seed(args.seed)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            _timed(lambda: sample(actor, tok, prompts, G, args.bench_len, temp, generator=gen,
-                                  ignore_eos=ignore_eos), 1, device)   # warm-up
-            t_ours, ro = _timed(lambda: sample(actor, tok, prompts, G, args.bench_len, temp, generator=gen,
-                                               ignore_eos=ignore_eos), args.bench_runs, device)
+            ours_fn = lambda: sample(actor, tok, prompts, G, args.bench_len, temp, generator=gen,  # noqa: E731
+                                     ignore_eos=ignore_eos)
+            _timed(ours_fn, 1, device)   # warm-up
+            t_ours, ro = _timed(ours_fn, args.bench_runs, device)
             ours_tok = float(ro.response_mask.sum())
             enc = tok([p for p in prompts for _ in range(G)], return_tensors="pt", padding=True).to(device)
             kw = dict(do_sample=temp > 0, max_new_tokens=args.bench_len, pad_token_id=tok.pad_token_id, top_k=0,
                       top_p=1.0)
-            kw.update(temperature=temp) if temp > 0 else None
+            if temp > 0:
+                kw["temperature"] = temp
             if ignore_eos:
                 kw["min_new_tokens"] = args.bench_len
             gen_fn = lambda: actor.generate(**enc, **kw)  # noqa: E731
