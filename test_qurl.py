@@ -325,8 +325,16 @@ def test_fp8_scaled_mm_and_emulation_agree():
     a, b = qurl.QuantLinear(lin, "fp8", "scaled_mm"), qurl.QuantLinear(lin, "fp8", "emulate")
     assert a.kernel == "scaled_mm" and b.kernel == "emulate"
     torch.testing.assert_close(a(x), b(x), rtol=1e-5, atol=1e-6)
+    assert qurl.QuantLinear(lin, "fp8").kernel == "emulate"  # the CPU default: the faster one here
+    b.weight_deq = None  # the per-call dequantization (CUDA without _scaled_mm) is the same math
+    torch.testing.assert_close(a(x), b(x), rtol=1e-5, atol=1e-6)
     odd = qurl.QuantLinear(torch.nn.Linear(24, 40), "fp8", "scaled_mm")  # _scaled_mm refuses this shape
     assert odd.kernel == "emulate"
+    c = qurl.QuantLinear(lin, "fp8")  # the cached dequantized weights follow a weight sync
+    with torch.no_grad():
+        lin.weight.mul_(-0.5)
+    c.load_weight(lin.weight)
+    torch.testing.assert_close(c(x), qurl.QuantLinear(lin, "fp8", "scaled_mm")(x), rtol=1e-5, atol=1e-6)
 
 
 def test_quantize_fp8_clamps_and_scales():
@@ -746,7 +754,7 @@ def test_fp8_without_scaled_mm_falls_back_with_notice(monkeypatch, capsys):
     monkeypatch.delattr(torch, "_scaled_mm")
     monkeypatch.setattr(qurl, "_NOTICED", set())
     lin, x = _realistic_linear()
-    q = qurl.QuantLinear(lin, "fp8")
+    q = qurl.QuantLinear(lin, "fp8", "scaled_mm")
     assert q.kernel == "emulate" and "dequantize-and-matmul" in capsys.readouterr().err
     assert _rel_err(q(x) - lin.bias, lin(x) - lin.bias) < 0.05
 

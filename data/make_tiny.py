@@ -3,13 +3,21 @@
     python data/make_tiny.py            # about 2 minutes on 2 CPU cores
 
 Writes data/arith_train.jsonl (20,000 problems), data/arith_test.jsonl (500, disjoint from train) and data/tiny-qwen/
-(a character-level tokenizer and a ~0.5M-parameter Qwen2ForCausalLM). The model is trained with plain supervised
-next-token prediction on the train set, in exactly the prompt format qurl.py uses (`qurl.format_prompt`), and stopped
-as soon as its greedy accuracy on arith_test (measured by `qurl.evaluate`) reaches STOP_AT, so that RL has room to
-improve. The jsonl files are byte-identical on every run (fixed seed); the weights depend on the CPU's float math.
+(a character-level tokenizer and a ~0.5M-parameter Qwen2ForCausalLM). The model is trained for SFT_STEPS steps of
+plain supervised next-token prediction, in exactly the prompt format qurl.py uses (`qurl.format_prompt`), on *noisy
+demonstrations*: the train problems, where in P_SLIP of the problems that need a carry or a borrow the worked solution
+makes the classic slip of forgetting it (48+26=64, 52-27=35; see `slip`). The jsonl files keep the correct answers.
+
+Why the noise: RL with a verifiable reward mostly turns what a model can already sample into what it answers greedily
+(pass@k into pass@1). A warm start that imitated only correct solutions is capability-bound at this size: RL then has to
+teach arithmetic itself, a few points per hundred steps. The slipped demonstrations give the warm start a systematic,
+greedy-visible error whose fix it already samples now and then, which is the regime real reasoning models are in when
+RL helps them, and the reward is what removes it. The jsonl files are byte-identical on every run (fixed seed); the
+weights depend on the CPU's float math.
 """
 import json
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -23,9 +31,8 @@ import qurl  # noqa: E402
 
 SEED = 0
 N_TRAIN, N_TEST = 20_000, 500
-STOP_AT = 0.28          # stop at the first evaluation with at least this held-out accuracy (on all 500) ...
-BAND_100 = (0.22, 0.58)  # ... that also keeps the first 100 test problems inside the 20-60 % band the tests check
-EVAL_EVERY, MAX_STEPS, BATCH, LR = 25, 3000, 64, 1e-3
+P_SLIP = 0.7  # share of the carry/borrow problems whose demonstration forgets the carry (or the borrow)
+SFT_STEPS, EVAL_EVERY, BATCH, LR = 1000, 250, 64, 1e-3
 
 
 def make_problem(rng: random.Random) -> dict:
@@ -57,6 +64,43 @@ def make_data() -> tuple[list[dict], list[dict]]:
         if p["question"] not in seen:  # disjoint from test; repeats within train are fine (few '*' problems exist)
             train.append(p)
     return train, test
+
+
+def slip(question: str) -> tuple[str, int] | None:
+    """The worked solution and answer of a student who forgets to carry (or to borrow), or None where no carry or borrow
+    occurs (the slip would give the right answer). a+b: the tens carry dropped (48+26=64); a-b: the borrow dropped, so
+    the tens are not decremented (52-27=35); a*b: the carry from the units product dropped (47*6=242); a+b-c: the slip
+    in the addition, the subtraction then done right on the wrong sum."""
+    nums = [int(n) for n in re.findall(r"\d+", question)]
+    if "*" in question:
+        a, b = nums
+        carry = (a % 10) * b // 10
+        return (f"{a}*{b}={a * b - 10 * carry}", a * b - 10 * carry) if carry else None
+    if "+" in question and "-" in question:
+        a, b, c = nums
+        if a % 10 + b % 10 < 10:
+            return None
+        s = a + b - 10
+        return f"{a}+{b}={s}, {s}-{c}={s - c}", s - c
+    if "+" in question:
+        a, b = nums
+        return (f"{a}+{b}={a + b - 10}", a + b - 10) if a % 10 + b % 10 >= 10 else None
+    a, b = nums
+    hi, lo = max(a, b), min(a, b)
+    if hi % 10 >= lo % 10:
+        return None
+    r = (hi - lo + 10) * (1 if a >= b else -1)  # the tens digit of hi is not decremented
+    return f"{a}-{b}={r}", r
+
+
+def noisy_demonstrations(train: list[dict]) -> list[dict]:
+    """The SFT corpus: each train problem once; P_SLIP of those with a carry or a borrow show the slip instead."""
+    rng = random.Random(SEED + 1)
+    out = []
+    for p in train:
+        s = slip(p["question"])
+        out.append({"question": p["question"], "answer": f"{s[0]}\n#### {s[1]}"} if s and rng.random() < P_SLIP else p)
+    return out
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -120,9 +164,12 @@ def main() -> None:
     problems = qurl.load_problems(str(HERE / "arith_test.jsonl"))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     rng = torch.Generator().manual_seed(SEED)
+    demos = noisy_demonstrations(train)
+    n_slip = sum(d is not p for d, p in zip(demos, train))
+    print(f"SFT corpus: {len(demos)} problems, {n_slip} with a slipped carry/borrow", flush=True)
     acc = acc100 = 0.0
-    for step in range(1, MAX_STEPS + 1):
-        ids, am, labels = sft_batch(train, tok, rng)
+    for step in range(1, SFT_STEPS + 1):
+        ids, am, labels = sft_batch(demos, tok, rng)
         loss = model(input_ids=ids, attention_mask=am, labels=labels).loss
         opt.zero_grad()
         loss.backward()
@@ -134,12 +181,11 @@ def main() -> None:
             model.train()
             print(f"step {step} loss {loss.item():.3f} held-out acc {acc:.3f} (first 100: {acc100:.2f}) "
                   f"[{time.time() - t0:.0f}s]", flush=True)
-            if acc >= STOP_AT and BAND_100[0] <= acc100 <= BAND_100[1]:
-                break
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    info = {"params": n_params, "sft_steps": step, "batch": BATCH, "lr": LR, "seconds": round(time.time() - t0, 1),
+    info = {"params": n_params, "sft_steps": SFT_STEPS, "p_slip": P_SLIP, "slipped_demos": n_slip, "batch": BATCH,
+            "lr": LR, "seconds": round(time.time() - t0, 1),
             "heldout_acc_500": round(acc, 4), "heldout_acc_first_100": round(acc100, 4), "max_new_tokens": 32,
             "torch": torch.__version__}
     (out / "warmup.json").write_text(json.dumps(info, indent=1) + "\n")
