@@ -80,7 +80,8 @@ class Args:
     answer_field: str = arg("answer", "field holding the gold answer ('#### 42', '\\boxed{42}' or a bare value)")
     # quantized rollout
     quant: str = arg("fp8", "rollout actor precision", choices=["none", "int8", "fp8"])
-    fp8_kernel: str = arg("auto", "FP8 matmul: torch._scaled_mm, dequantize-and-matmul emulation, or auto",
+    fp8_kernel: str = arg("auto", "FP8 matmul: torch._scaled_mm, dequantize-and-matmul emulation, or auto "
+                                  "(_scaled_mm on CUDA >= 8.9, emulation on CPU, where it is faster)",
                           choices=["auto", "scaled_mm", "emulate"])
     invariant_scale: float | None = arg(None, "QuRL invariant scaling s (default 1.5 with a quantized actor, else 1)")
     align_forward: bool = arg(False, "QaRL: train through the sampler's quantizer (fake-quant, straight-through)")

@@ -142,6 +142,46 @@ def test_embedded_data_format():
     assert kinds == {10, 1, 100, 11}  # a+b, a-b, a*b, a+b-c
 
 
+def _make_tiny():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("make_tiny", HERE / "data" / "make_tiny.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_slipped_demonstrations_are_the_classic_carry_and_borrow_errors():
+    mt = _make_tiny()
+    assert mt.slip("What is 48 + 26?") == ("48+26=64", 64)            # 8+6=14: the 1 is not carried
+    assert mt.slip("What is 52 - 27?") == ("52-27=35", 35)            # 2-7 needs a borrow: the 5 stays a 5
+    assert mt.slip("What is 27 - 52?") == ("27-52=-35", -35)          # same slip on the magnitude
+    assert mt.slip("What is 47 * 6?") == ("47*6=242", 242)            # 7*6=42: the 4 is not carried
+    assert mt.slip("What is 58 + 15 - 9?") == ("58+15=63, 63-9=54", 54)
+    for q in ("What is 12 + 7?", "What is 57 - 23?", "What is 41 * 2?", "What is 12 + 7 - 50?"):
+        assert mt.slip(q) is None                                      # no carry or borrow: nothing to slip
+    train = [json.loads(l) for l in (HERE / "data/arith_train.jsonl").read_text().splitlines()]
+    demos = mt.noisy_demonstrations(train)
+    eligible = [i for i, p in enumerate(train) if mt.slip(p["question"])]
+    slipped = [i for i in eligible if demos[i]["answer"] != train[i]["answer"]]
+    assert abs(len(slipped) / len(eligible) - mt.P_SLIP) < 0.02
+    assert all(d == p for d, p in zip(demos, train) if mt.slip(p["question"]) is None)
+    for i in slipped[:50]:  # a slipped demonstration fails the reward that RL later uses
+        assert qurl.reward(demos[i]["answer"], qurl.extract_answer(train[i]["answer"])) == 0.0
+
+
+def test_warm_start_answers_with_the_slip(tiny, problems):
+    """The documented starting point: on problems with a carry or a borrow, the warm start's greedy answer is mostly
+    the slipped one, so RL has an error to remove (README: 64 % of them at the warm start)."""
+    mt = _make_tiny()
+    model, tok = tiny
+    elig = [p for p in problems if mt.slip(p["question"])][:100]
+    ro = qurl.sample(model, tok, [qurl.format_prompt(p["question"], tok) for p in elig], n=1, max_new_tokens=32,
+                     temperature=0.0)
+    as_slip = sum(qurl.reward(t, str(mt.slip(p["question"])[1])) for t, p in zip(ro.texts, elig)) / len(elig)
+    right = sum(qurl.reward(t, p["gold"]) for t, p in zip(ro.texts, elig)) / len(elig)
+    assert as_slip > 0.4 and right < 0.2, (as_slip, right)
+
+
 def test_tiny_model_offline_roundtrip_and_band(tiny, problems):
     model, tok = tiny
     text = "Q: What is 12 + 7?\nA: 12+7=19\n#### 19 \u00e9"

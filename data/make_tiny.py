@@ -1,6 +1,7 @@
 """Regenerate qurl's embedded default: arithmetic problems in GSM8K's format and a tiny, warm-started Qwen2.
 
-    python data/make_tiny.py            # about 2 minutes on 2 CPU cores
+    python data/make_tiny.py            # about 1 min 45 s on 2 CPU cores
+    python data/make_tiny.py --probe data/tiny-qwen runs/fp8-acr-s1/final   # where a model stands on the slip
 
 Writes data/arith_train.jsonl (20,000 problems), data/arith_test.jsonl (500, disjoint from train) and data/tiny-qwen/
 (a character-level tokenizer and a ~0.5M-parameter Qwen2ForCausalLM). The model is trained for SFT_STEPS steps of
@@ -192,5 +193,31 @@ def main() -> None:
     print(json.dumps(info))
 
 
+def probe(model_dir: str, k: int = 8) -> None:
+    """Where a model stands on the slip, split by whether a test problem needs a carry or borrow: greedy right, greedy
+    equal to the slipped answer, one sample right (T = 1) and right in at least one of k samples (pass@k)."""
+    torch.manual_seed(SEED)
+    model, tok = qurl.load_model(model_dir, "cpu", torch.float32)
+    problems = qurl.load_problems(str(HERE / "arith_test.jsonl"))
+    prompts = [qurl.format_prompt(p["question"], tok) for p in problems]
+    greedy = qurl.sample(model.eval(), tok, prompts, n=1, max_new_tokens=32, temperature=0.0).texts
+    g = torch.Generator().manual_seed(SEED)
+    samples = qurl.sample(model, tok, prompts, n=k, max_new_tokens=32, temperature=1.0, generator=g).texts
+    print(f"{model_dir}\n| problems | count | greedy right | greedy gives the slip | one sample right | pass@{k} |")
+    for name, want in (("with a carry or borrow", True), ("without", False)):
+        idx = [i for i, p in enumerate(problems) if (slip(p["question"]) is not None) == want]
+        right = sum(qurl.reward(greedy[i], problems[i]["gold"]) for i in idx) / len(idx)
+        slipped = f"{sum(qurl.reward(greedy[i], str(slip(problems[i]['question'])[1])) for i in idx) / len(idx):.0%}" \
+            if want else "-"
+        r = [[qurl.reward(samples[i * k + j], problems[i]["gold"]) for j in range(k)] for i in idx]
+        one = sum(sum(x) / k for x in r) / len(idx)
+        pass_k = sum(max(x) for x in r) / len(idx)
+        print(f"| {name} | {len(idx)} | {right:.0%} | {slipped} | {one:.0%} | {pass_k:.0%} |")
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 2 and sys.argv[1] == "--probe":  # python data/make_tiny.py --probe MODEL_DIR [MODEL_DIR ...]
+        for d in sys.argv[2:]:
+            probe(d)
+    else:
+        main()
