@@ -100,6 +100,8 @@ class Args:
     top_p: float = arg(1.0, "nucleus sampling; < 1 biases the importance ratio (warned)")
     # optimisation
     lr: float = arg(1e-4, "AdamW learning rate")
+    lr_schedule: str = arg("cosine", "learning rate over the run: constant, or cosine decay from --lr to 0 at --steps",
+                           choices=["constant", "cosine"])
     ppo_epochs: int = arg(1, "passes over each rollout batch")
     mini_batches: int = arg(1, "optimizer steps per pass (the batch is split into this many mini-batches)")
     max_grad_norm: float = arg(1.0, "gradient clipping norm")
@@ -880,7 +882,7 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor) -
 METRIC_KEYS = ["step", "reward/mean", "reward/acc", "reward/zero_std_groups", "rollout/len_mean",
                "rollout/truncated", "mismatch/kl", "mismatch/logp_absdiff", "mismatch/ratio_max", "clip/low",
                "clip/high", "clip/acr_upper", "loss/policy", "loss/entropy", "loss/kl", "quant/flip_rate",
-               "guard/skipped", "perf/rollout_tok_s", "perf/step_s", "perf/rollout_frac", "eval/acc"]
+               "guard/skipped", "opt/lr", "perf/rollout_tok_s", "perf/step_s", "perf/rollout_frac", "eval/acc"]
 
 
 def seed_everything(seed: int) -> None:
@@ -1026,6 +1028,8 @@ def train(args: Args) -> dict:
     old_handler = signal.signal(signal.SIGINT, _request_stop) if _main_thread() else None
     try:
         for step in range(start + 1, args.steps + 1):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, args.steps, args.lr, args.lr_schedule)
             m, t_roll = train_step(step, args, model, q_model, ref_model, opt, tok, gen, fmt,
                                    next_problems(data_pos))
             data_pos += P
@@ -1035,6 +1039,7 @@ def train(args: Args) -> dict:
                 raise QurlError(f"{bad_in_row} steps in a row with non-finite losses or gradients (step {step}): "
                                 f"stopped; the last good checkpoint is in {d}/ckpt (try a lower --lr)")
             m["guard/skipped"] = skipped
+            m["opt/lr"] = opt.param_groups[0]["lr"]
             rollout_time += t_roll
             step_time += m["perf/step_s"]
             eval_now = step % args.eval_every == 0 or step == args.steps
@@ -1087,6 +1092,14 @@ def _request_stop(signum, frame):
 def _main_thread() -> bool:
     import threading
     return threading.current_thread() is threading.main_thread()
+
+
+def lr_at(step: int, steps: int, lr: float, schedule: str) -> float:
+    """Learning rate of step 1..steps. Cosine decay to 0 makes the last updates small, so the final policy (the one
+    evaluated and saved) is not caught mid-oscillation; TRL's default decays linearly for the same reason."""
+    if schedule == "constant":
+        return lr
+    return 0.5 * lr * (1 + math.cos(math.pi * (step - 1) / max(steps, 1)))
 
 
 def train_step(step, args, model, q_model, ref_model, opt, tok, gen, fmt, probs) -> tuple[dict, float]:

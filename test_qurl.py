@@ -493,6 +493,16 @@ def test_aligned_forward_matches_quantized_actor(tiny, problems, fmt):
 # ======================================================================================================================
 # Advantages and losses (hand-computed references)
 # ======================================================================================================================
+def test_lr_schedule_cosine_by_hand():
+    assert qurl.lr_at(1, 900, 1e-4, "cosine") == pytest.approx(1e-4)              # cos(0) = 1: the full rate first
+    assert qurl.lr_at(451, 900, 1e-4, "cosine") == pytest.approx(0.5e-4)          # cos(pi/2) = 0: half way
+    assert qurl.lr_at(901, 900, 1e-4, "cosine") == pytest.approx(0.0, abs=1e-20)  # cos(pi) = -1
+    assert qurl.lr_at(226, 900, 1e-4, "cosine") == pytest.approx(0.5e-4 * (1 + math.sqrt(0.5)))  # cos(pi/4)
+    assert all(qurl.lr_at(k, 10, 3e-4, "constant") == 3e-4 for k in range(1, 11))
+    lrs = [qurl.lr_at(k, 50, 1e-4, "cosine") for k in range(1, 51)]
+    assert all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] < 1e-6
+
+
 def test_group_advantages():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
     adv, zero = qurl.group_advantages(r, 4)
@@ -637,6 +647,7 @@ def test_end_to_end(tmp_path, tiny, quant, loss, extra):
         assert set(qurl.METRIC_KEYS) <= set(r), set(qurl.METRIC_KEYS) - set(r)
         assert all(v is None or math.isfinite(v) for v in r.values())
     assert rows[-1]["eval/acc"] is not None
+    assert [r["opt/lr"] for r in rows] == pytest.approx([args.lr, args.lr / 2])  # cosine over 2 steps: cos(0), cos(pi/2)
     final = torch.load(tmp_path / "r/ckpt/state.pt", weights_only=False)["model"]
     init = tiny[0].state_dict()
     assert any(not torch.equal(final[k], init[k]) for k in init)  # the weights moved
