@@ -142,7 +142,9 @@ def test_embedded_data_format():
     assert kinds == {10, 1, 100, 11}  # a+b, a-b, a*b, a+b-c
 
 
-def _make_tiny():
+@pytest.fixture(scope="module")
+def mt():
+    """data/make_tiny.py as a module (it is a script, not a package)."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("make_tiny", HERE / "data" / "make_tiny.py")
     mod = importlib.util.module_from_spec(spec)
@@ -150,8 +152,7 @@ def _make_tiny():
     return mod
 
 
-def test_slipped_demonstrations_are_the_classic_carry_and_borrow_errors():
-    mt = _make_tiny()
+def test_slipped_demonstrations_are_the_classic_carry_and_borrow_errors(mt):
     assert mt.slip("What is 48 + 26?") == ("48+26=64", 64)            # 8+6=14: the 1 is not carried
     assert mt.slip("What is 52 - 27?") == ("52-27=35", 35)            # 2-7 needs a borrow: the 5 stays a 5
     assert mt.slip("What is 27 - 52?") == ("27-52=-35", -35)          # same slip on the magnitude
@@ -169,10 +170,9 @@ def test_slipped_demonstrations_are_the_classic_carry_and_borrow_errors():
         assert qurl.reward(demos[i]["answer"], qurl.extract_answer(train[i]["answer"])) == 0.0
 
 
-def test_warm_start_answers_with_the_slip(tiny, problems):
+def test_warm_start_answers_with_the_slip(tiny, problems, mt):
     """The documented starting point: on problems with a carry or a borrow, the warm start's greedy answer is mostly
     the slipped one, so RL has an error to remove (README: 64 % of them at the warm start)."""
-    mt = _make_tiny()
     model, tok = tiny
     elig = [p for p in problems if mt.slip(p["question"])][:100]
     ro = qurl.sample(model, tok, [qurl.format_prompt(p["question"], tok) for p in elig], n=1, max_new_tokens=32,
@@ -647,7 +647,7 @@ def test_end_to_end(tmp_path, tiny, quant, loss, extra):
         assert set(qurl.METRIC_KEYS) <= set(r), set(qurl.METRIC_KEYS) - set(r)
         assert all(v is None or math.isfinite(v) for v in r.values())
     assert rows[-1]["eval/acc"] is not None
-    assert [r["opt/lr"] for r in rows] == pytest.approx([args.lr, args.lr / 2])  # cosine over 2 steps: cos(0), cos(pi/2)
+    assert [r["opt/lr"] for r in rows] == pytest.approx([args.lr, args.lr / 2])  # cosine, 2 steps: cos(0), cos(pi/2)
     final = torch.load(tmp_path / "r/ckpt/state.pt", weights_only=False)["model"]
     init = tiny[0].state_dict()
     assert any(not torch.equal(final[k], init[k]) for k in init)  # the weights moved

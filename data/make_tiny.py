@@ -204,11 +204,11 @@ def probe(model_dir: str, k: int = 8) -> None:
     g = torch.Generator().manual_seed(SEED)
     samples = qurl.sample(model, tok, prompts, n=k, max_new_tokens=32, temperature=1.0, generator=g).texts
     print(f"{model_dir}\n| problems | count | greedy right | greedy gives the slip | one sample right | pass@{k} |")
+    slips = [slip(p["question"]) for p in problems]
     for name, want in (("with a carry or borrow", True), ("without", False)):
-        idx = [i for i, p in enumerate(problems) if (slip(p["question"]) is not None) == want]
+        idx = [i for i, s in enumerate(slips) if (s is not None) == want]
         right = sum(qurl.reward(greedy[i], problems[i]["gold"]) for i in idx) / len(idx)
-        slipped = f"{sum(qurl.reward(greedy[i], str(slip(problems[i]['question'])[1])) for i in idx) / len(idx):.0%}" \
-            if want else "-"
+        slipped = f"{sum(qurl.reward(greedy[i], str(slips[i][1])) for i in idx) / len(idx):.0%}" if want else "-"
         r = [[qurl.reward(samples[i * k + j], problems[i]["gold"]) for j in range(k)] for i in idx]
         one = sum(sum(x) / k for x in r) / len(idx)
         pass_k = sum(max(x) for x in r) / len(idx)
