@@ -199,6 +199,9 @@ def validate_args(a: Args) -> str | None:
         (a.device in ("auto", "cpu", "cuda") or a.device.startswith("cuda:"), f"--device: unknown '{a.device}'"),
         (a.dtype in ("auto", "float32", "bfloat16", "float16"), f"--dtype: unknown '{a.dtype}'"),
         (not (a.align_forward and a.quant == "none"), "--align-forward needs a quantizer: add --quant int8 or fp8"),
+        (a.run_name is None or (a.run_name not in ("", ".", "..") and not set(a.run_name) & set("/\\")),
+         f"--run-name must be one folder name inside --out-dir (not empty, no / or \\, not . or ..), "
+         f"got {a.run_name!r}"),
         (a.bench_len >= 1 and a.bench_runs >= 1, "--bench-len and --bench-runs must be >= 1"),
         (all(s.strip().isdigit() and int(s) > 0 for s in a.bench_batch.split(",")),
          f"--bench-batch must be positive integers separated by commas, got '{a.bench_batch}'"),
@@ -236,11 +239,10 @@ def load_problems(spec: str, split: str = "train", question_field: str = "questi
                 except json.JSONDecodeError as e:
                     raise QurlError(f"{spec}:{i}: malformed JSON line ({e.msg}); fix or delete that line") from None
         elif path.suffix in (".json", ".parquet"):
-            import datasets
-            datasets.disable_progress_bars()
             try:
-                ds = datasets.load_dataset("json" if path.suffix == ".json" else "parquet", data_files=str(path),
-                                           split="train")
+                with _quiet_datasets() as datasets:
+                    ds = datasets.load_dataset("json" if path.suffix == ".json" else "parquet",
+                                               data_files=str(path), split="train")
             except Exception as e:
                 raise QurlError(f"{spec}: cannot be read as {path.suffix[1:]} ({type(e).__name__}: "
                                 f"{str(e).splitlines()[0][:200]})") from None
@@ -266,13 +268,25 @@ def load_problems(spec: str, split: str = "train", question_field: str = "questi
     return problems
 
 
-def _load_hub_rows(name: str, split: str, config: str | None):
+@contextmanager
+def _quiet_datasets():
+    """`datasets` without progress bars and without its own error log lines: qurl reports a failure in one line."""
     import datasets
     datasets.disable_progress_bars()
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield datasets
+    finally:
+        datasets.logging.set_verbosity(level)
+
+
+def _load_hub_rows(name: str, split: str, config: str | None):
     if config is None and name.endswith("gsm8k"):
         config = "main"
     try:
-        ds = datasets.load_dataset(name, config, split=split)
+        with _quiet_datasets() as datasets:
+            ds = datasets.load_dataset(name, config, split=split)
     except Exception as e:
         text = f"{type(e).__name__}: {e}"
         if "Offline" in text or "offline" in text or "resolve" in text or "Connection" in text:
@@ -890,31 +904,56 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+RUN_MARKER = ".qurl-run"  # written into every run folder at creation: --overwrite deletes only folders that hold it
+
+
 def run_dir_for(args: Args) -> Path:
     if args.resume:
         return Path(args.resume)
     return Path(args.out_dir) / (args.run_name or f"{args.quant}-{args.loss}-s{args.seed}")
 
 
-def _prepare_run_dir(args: Args) -> Path:
+def is_qurl_run(d: Path) -> bool:
+    """A folder qurl created: it holds the marker (or, for runs made before the marker, args.json + metrics.jsonl)."""
+    return (d / RUN_MARKER).is_file() or ((d / "args.json").is_file() and (d / "metrics.jsonl").is_file())
+
+
+def check_run_dir(args: Args) -> Path:
+    """Every check of the run folder, with no side effect: nothing is created or deleted here, so a run that fails
+    on bad input later in set-up has not yet destroyed anything."""
     d = run_dir_for(args)
     if args.resume:
         if not (d / "ckpt" / "state.pt").is_file() and not (d / "ckpt.old" / "state.pt").is_file():
             raise QurlError(f"--resume {d}: no checkpoint there (expected {d}/ckpt/state.pt)")
         return d
-    if d.exists() and any(d.iterdir()):
+    if d.exists() and not d.is_dir():
+        raise QurlError(f"run folder {d} is a file, not a folder: choose another --run-name or --out-dir")
+    if d.is_dir() and any(d.iterdir()):
         if not args.overwrite:
             raise QurlError(f"run folder {d} already exists: pass --resume {d} to continue it, --overwrite to "
                             f"replace it, or --run-name NAME")
-        shutil.rmtree(d)
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        probe = d / ".write_test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise QurlError(f"cannot write to {d} ({e.strerror}); choose another --out-dir") from None
+        if not is_qurl_run(d):
+            held = sorted(p.name for p in d.iterdir())
+            shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+            raise QurlError(f"--overwrite: {d} is not a qurl run folder (it holds {shown}; no {RUN_MARKER}), so "
+                            f"qurl will not delete it: choose another --run-name or --out-dir")
+    parent = next(p for p in [d, *d.parents] if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise QurlError(f"cannot write to {d} ({parent} is not a writable folder); choose another --out-dir")
     return d
+
+
+def make_run_dir(d: Path, args: Args) -> None:
+    """Create the run folder (replacing an old qurl run under --overwrite, which check_run_dir allowed) and mark it."""
+    if not args.resume:
+        if d.is_dir() and any(d.iterdir()):
+            assert is_qurl_run(d), d  # check_run_dir refused anything else
+            shutil.rmtree(d)
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / RUN_MARKER).write_text("a qurl run folder: qurl --overwrite may delete it\n")
+        except OSError as e:
+            raise QurlError(f"cannot write to {d} ({e.strerror}); choose another --out-dir") from None
 
 
 def save_checkpoint(d: Path, model, q_model, opt, step: int, data_pos: int, gen: torch.Generator,
@@ -967,7 +1006,7 @@ def train(args: Args) -> dict:
     if args.eval_size:
         test_set = test_set[:args.eval_size]
     check_prompt_lengths(model, tok, train_set + test_set, args.max_new_tokens)
-    d = _prepare_run_dir(args)
+    d = check_run_dir(args)
     fmt = None if args.quant == "none" else args.quant
     s = args.invariant_scale if args.invariant_scale is not None else (1.5 if fmt else 1.0)
     gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -984,6 +1023,7 @@ def train(args: Args) -> dict:
     q_model = quantize_actor(model, fmt, args.fp8_kernel) if fmt else None
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     start, data_pos = 0, 0
+    make_run_dir(d, args)  # every check has passed: only now may an old run be replaced
     if ckpt is not None:
         opt.load_state_dict(ckpt["optimizer"])
         if q_model is not None and ckpt["q_model"] is not None:
@@ -1015,7 +1055,6 @@ def train(args: Args) -> dict:
     last_eval = first_eval
     if start == 0:
         notice(f"step 0: eval/acc {first_eval:.3f} on {len(test_set)} held-out problems")
-    metrics_f = open(d / "metrics.jsonl", "a")
     bad_in_row, skipped, rollout_time, step_time = 0, 0, 0.0, 0.0
     if ckpt is not None:
         skipped = ckpt.get("skipped", 0)
@@ -1024,9 +1063,7 @@ def train(args: Args) -> dict:
         save_checkpoint(d, model, q_model, opt, at_step, data_pos, gen, args, model_id,
                         extra={"first_eval": first_eval, "skipped": skipped})
 
-    STOP.clear()
-    old_handler = signal.signal(signal.SIGINT, _request_stop) if _main_thread() else None
-    try:
+    with stop_requests(), open(d / "metrics.jsonl", "a") as metrics_f:
         for step in range(start + 1, args.steps + 1):
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, args.steps, args.lr, args.lr_schedule)
@@ -1057,15 +1094,10 @@ def train(args: Args) -> dict:
                       f"tok/s {m['perf/rollout_tok_s']:.0f} [{el:.0f}s<{eta:.0f}s]", flush=True)
             if STOP:
                 checkpoint(step)
-                metrics_f.close()
-                notice(f"interrupted: checkpoint of step {step} written; continue with --resume {d}")
-                raise SystemExit(130)
+                notice(f"stopped: checkpoint of step {step} written; continue with: python qurl.py --resume {d}")
+                raise SystemExit(128 + next(iter(STOP)))  # 130 after Ctrl-C, 143 after SIGTERM
             if step % args.save_every == 0 and step != args.steps:
                 checkpoint(step)
-    finally:
-        if old_handler is not None:
-            signal.signal(signal.SIGINT, old_handler)
-        metrics_f.close()
     checkpoint(args.steps)
     model.save_pretrained(d / "final")
     tok.save_pretrained(d / "final")
@@ -1079,14 +1111,31 @@ def train(args: Args) -> dict:
     return summary
 
 
-STOP: set = set()  # non-empty once Ctrl-C asked the loop to stop after the current step
+STOP: set = set()  # the signals received: non-empty once Ctrl-C or SIGTERM asked the loop to stop after this step
+
+
+@contextmanager
+def stop_requests():
+    """Within this block Ctrl-C (SIGINT) and SIGTERM (how clusters and rented GPUs preempt a job) ask the loop to
+    finish the current step, write a checkpoint and exit; a second signal aborts at once. Signals can only be caught
+    in the main thread: elsewhere this is a no-op."""
+    STOP.clear()
+    sigs = (signal.SIGINT, signal.SIGTERM) if _main_thread() else ()
+    old = {sig: signal.signal(sig, _request_stop) for sig in sigs}
+    try:
+        yield STOP
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _request_stop(signum, frame):
-    if STOP:  # a second Ctrl-C: stop now, without a checkpoint of this step
-        raise KeyboardInterrupt
+    name = signal.Signals(signum).name
+    if STOP:  # a second signal: stop now, without a checkpoint of this step
+        notice(f"{name} again: aborting now; the last checkpoint written is kept")
+        raise SystemExit(128 + signum)
     STOP.add(signum)
-    notice("Ctrl-C: finishing this step, then writing a checkpoint (Ctrl-C again to abort at once)")
+    notice(f"{name}: finishing this step, then writing a checkpoint (send it again to abort at once)")
 
 
 def _main_thread() -> bool:

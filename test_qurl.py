@@ -6,6 +6,7 @@ nn.Linear, hand-computed loss values and the recorded warm-up accuracy.
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,7 @@ def assert_one_line_error(res, *needles):
     assert "Traceback" not in res.stderr, res.stderr
     lines = [l for l in res.stderr.splitlines() if l.startswith("qurl: error")]
     assert len(lines) == 1, res.stderr
+    assert res.stderr.strip().splitlines() == lines, res.stderr  # qurl's line only: no library's log lines before it
     for n in needles:
         assert n in lines[0], lines[0]
     return lines[0]
@@ -226,6 +228,13 @@ def test_bad_data_file(tmp_path, content, needles):
     f = tmp_path / "bad.jsonl"
     f.write_text(content)
     assert_one_line_error(run_cli("--dry-run", "--train-data", str(f)), str(f), *needles)
+
+
+@pytest.mark.parametrize("suffix,content", [(".parquet", b"not a parquet file"), (".json", b"{not json")])
+def test_corrupt_parquet_or_json_one_line(tmp_path, suffix, content):
+    f = tmp_path / f"bad{suffix}"
+    f.write_bytes(content)
+    assert_one_line_error(run_cli("--dry-run", "--train-data", str(f)), str(f), "cannot be read")
 
 
 def test_missing_data_file(tmp_path):
@@ -663,8 +672,9 @@ def _metrics(path):
     return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
-def test_resume_after_interrupt_reproduces_metrics(tmp_path, monkeypatch):
-    """Uninterrupted 5 steps == (Ctrl-C after step 3, resume) == (crash in step 4 after a checkpoint at 2, resume)."""
+def test_resume_after_interrupt_reproduces_metrics(tmp_path, monkeypatch, capsys):
+    """Uninterrupted 5 steps == (Ctrl-C after step 3, resume) == (SIGTERM in step 3, resume) == (crash in step 4
+    after a checkpoint at 2, resume)."""
     kw = dict(steps=5, quant="fp8", loss="acr", eval_every=2, save_every=2, lr=1e-3)
     qurl.train(_small_args(tmp_path, run_name="full", **kw))
     ref = _metrics(tmp_path / "full/metrics.jsonl")
@@ -687,6 +697,24 @@ def test_resume_after_interrupt_reproduces_metrics(tmp_path, monkeypatch):
 
     calls["n"] = 0
 
+    def sigterm_in_step_3(q, m):  # a real SIGTERM to this process, as a cluster's preemption sends it
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_sync(q, m)
+    monkeypatch.setattr(qurl, "sync_weights", sigterm_in_step_3)
+    with pytest.raises(SystemExit) as e:
+        qurl.train(_small_args(tmp_path, run_name="term", **kw))
+    err = capsys.readouterr().err
+    assert e.value.code == 143 and len(_metrics(tmp_path / "term/metrics.jsonl")) == 3
+    assert "SIGTERM" in err and f"--resume {tmp_path / 'term'}" in err
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler was removed on the way out
+    monkeypatch.setattr(qurl, "sync_weights", real_sync)
+    qurl.train(_small_args(tmp_path, resume=str(tmp_path / "term"), **kw))
+    assert _metrics(tmp_path / "term/metrics.jsonl") == ref
+
+    calls["n"] = 0
+
     def crash_in_step_4(q, m):
         calls["n"] += 1
         if calls["n"] == 4:
@@ -699,6 +727,59 @@ def test_resume_after_interrupt_reproduces_metrics(tmp_path, monkeypatch):
     monkeypatch.setattr(qurl, "sync_weights", real_sync)
     qurl.train(_small_args(tmp_path, resume=str(tmp_path / "crash"), **kw))
     assert _metrics(tmp_path / "crash/metrics.jsonl") == ref
+
+
+def test_second_signal_aborts_at_once():
+    with qurl.stop_requests() as stop:
+        qurl._request_stop(signal.SIGTERM, None)
+        assert stop == {signal.SIGTERM}
+        with pytest.raises(SystemExit) as e:
+            qurl._request_stop(signal.SIGTERM, None)
+        assert e.value.code == 143
+
+
+def _tree(root):
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(Path(root).rglob("*"))}
+
+
+@pytest.mark.parametrize("name", ["..", "../x", "a/b", "", ".", "a\\b"])
+def test_run_name_is_one_folder_inside_out_dir(tmp_path, capsys, name):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "mine.txt").write_text("the user's")
+    before = _tree(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        qurl.main(["--out-dir", str(tmp_path / "runs"), "--run-name", name, "--overwrite", "--steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "--run-name must be one folder name" in err[0], err
+    assert _tree(tmp_path) == before  # nothing created, nothing deleted
+
+
+def test_overwrite_deletes_only_qurl_runs(tmp_path, monkeypatch):
+    out = tmp_path / "X" / "runs"
+    notes = out / "notes"
+    (notes / "sub").mkdir(parents=True)
+    (notes / "todo.txt").write_text("mine")
+    (notes / "sub" / "data.csv").write_text("1,2")
+    (tmp_path / "X" / "beside.txt").write_text("mine too")
+    before = _tree(tmp_path)
+    args = _small_args(out, run_name="notes", overwrite=True, quant="none", steps=1)
+    with pytest.raises(qurl.QurlError, match="not a qurl run folder.*todo.txt.*will not delete"):
+        qurl.train(args)
+    assert _tree(tmp_path) == before
+    # a qurl run is replaced, but only after every check of the new run has passed
+    qurl.train(_small_args(out, run_name="r", quant="none", steps=1))
+    (out / "r" / "user_note.txt").write_text("added by hand")
+    assert (out / "r" / qurl.RUN_MARKER).is_file()
+    kept = _tree(tmp_path)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # the new run fails in set-up, after the folder checks
+    with pytest.raises(qurl.QurlError, match="needs bitsandbytes"):
+        qurl.train(_small_args(out, run_name="r", overwrite=True, quant="int8", loss="acr", steps=1))
+    assert _tree(tmp_path) == kept
+    monkeypatch.undo()
+    qurl.train(_small_args(out, run_name="r", overwrite=True, quant="none", steps=1))
+    assert not (out / "r" / "user_note.txt").exists()
+    # everything any of these runs wrote lies inside --out-dir
+    assert {p for p in _tree(tmp_path) if not p.startswith("X/runs/r")} == set(before)
 
 
 def test_checkpoint_write_is_atomic(tmp_path, tiny, monkeypatch):
@@ -749,6 +830,7 @@ def test_non_finite_updates_are_skipped_then_stop(tmp_path, tiny, monkeypatch):
     (["--dry-run", "--train-data", "openai/gsm8k"], ["offline", "local"]),
     (["--device", "cuda", "--dry-run"], ["CUDA was requested"]),
     (["--align-forward", "--quant", "none"], ["--align-forward needs a quantizer"]),
+    (["--run-name", "..", "--overwrite"], ["--run-name must be one folder name"]),
 ])
 def test_bad_cli_input_one_line(argv, needles):
     if "CUDA was requested" in needles and torch.cuda.is_available():
