@@ -37,6 +37,7 @@ import shutil
 import signal
 import sys
 import time
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -89,7 +90,12 @@ class Args:
     loss: str = arg("acr", "policy objective", choices=["naive", "tis", "acr", "tbpo"])
     eps_low: float = arg(0.2, "PPO lower clip: ratio >= 1 - eps_low")
     eps_high: float = arg(0.28, "PPO upper clip: ratio <= 1 + eps_high (DAPO clip-higher)")
-    is_cap: float = arg(2.0, "truncation C of the importance weight pi_prox/pi_behav")
+    is_cap: float = arg(2.0, "truncation C of the importance weight pi_prox/pi_behav (token losses) or of the "
+                             "sequence weight w_i (tbpo)")
+    tbpo_eps_low: float = arg(3e-4, "TBPO: lower edge of the band, s_i >= 1 - eps")
+    tbpo_eps_high: float = arg(4e-4, "TBPO: upper edge for A >= 0, s_i <= 1 + eps")
+    tbpo_eps_high_neg: float = arg(7e-4, "TBPO: upper edge of the trust band for A < 0, s_i <= 1 + eps")
+    tbpo_max_mismatch: float | None = arg(None, "TBPO: also drop sequences whose w_i lies outside [1/M, M] (off)")
     kl_coef: float = arg(0.0, "weight of the k3 KL penalty to the initial actor (0: off, no reference model)")
     # rollout
     steps: int = arg(900, "RL steps (one rollout batch and its updates per step)")
@@ -105,8 +111,11 @@ class Args:
     ppo_epochs: int = arg(1, "passes over each rollout batch")
     mini_batches: int = arg(1, "optimizer steps per pass (the batch is split into this many mini-batches)")
     max_grad_norm: float = arg(1.0, "gradient clipping norm")
-    skip_zero_adv: bool = arg(True, "leave groups whose rewards are all equal (zero advantage) out of the update")
-    micro_batch: int = arg(64, "rows per forward in token_logprobs (memory knob, no effect on the math)")
+    skip_zero_adv: bool = arg(True, "leave groups whose rewards are all equal (zero advantage, no gradient) out of "
+                                    "the update: saves their compute; token means are then over the other rows")
+    micro_batch: int = arg(64, "rows per forward and backward (gradient accumulation): sets memory, not the math")
+    grad_checkpointing: bool = arg(False, "recompute activations in backward (transformers' gradient "
+                                          "checkpointing): less memory, about 1/3 more compute")
     # evaluation, logging, checkpoints
     eval_every: int = arg(100, "evaluate the fp actor (greedy) every N steps, and at the end")
     eval_size: int = arg(500, "held-out problems per evaluation (0: all)")
@@ -116,7 +125,8 @@ class Args:
     max_bad_steps: int = arg(3, "stop after this many non-finite updates in a row")
     seed: int = arg(1, "seeds python, torch, the data order and the sampler")
     device: str = arg("auto", "cpu, cuda or auto")
-    dtype: str = arg("auto", "model dtype: auto (bf16 on cuda, fp32 on cpu), float32, bfloat16, float16")
+    dtype: str = arg("auto", "compute dtype of the forwards: auto (bf16 on cuda, fp32 on cpu), float32 or "
+                             "bfloat16; master weights and optimizer state are always fp32")
     out_dir: str = arg("runs", "where runs/<run-name>/ is written")
     run_name: str | None = arg(None, "run folder name (default: <quant>-<loss>-s<seed>)")
     resume: str | None = arg(None, "continue the run in this folder from its checkpoint")
@@ -125,6 +135,11 @@ class Args:
     dry_run: bool = arg(False, "print the resolved config, model size, data and one prompt, then exit")
     bench_rollout: bool = arg(False, "benchmark sample() against model.generate and exit")
     bench_quant: bool = arg(False, "benchmark rollout tokens/s for none/int8/fp8 (fixed length) and exit")
+    bench_memory: bool = arg(False, "peak memory of a step's update against its rows (--bench-batch) at a fixed "
+                                    "--micro-batch, random rollouts of --bench-len tokens, and exit")
+    bench_train: bool = arg(False, "seconds and peak memory per RL step at the real sizes (--model-config: random "
+                                   "weights, EOS ignored, random rewards), --bench-runs steps, and exit")
+    bench_out: str | None = arg(None, "also append each bench row as a JSON line to this file")
     model_config: str | None = arg(None, "bench a published architecture with random weights instead of --model: "
                                          "qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen3-0.6b or qwen2-h512-l8")
     bench_batch: str = arg("128", "bench batch sizes, comma separated (rows = prompts x group)")
@@ -169,7 +184,27 @@ def parse_args(argv=None) -> Args:
     msg = validate_args(args)
     if msg:
         _die(msg)
+    for line in flag_notices(args, set(vars(_parser(defaults=False).parse_args(argv)))):
+        notice(line)
     return args
+
+
+def flag_notices(a: Args, typed: set[str]) -> list[str]:
+    """Flags that do nothing for the chosen loss, and settings that make it equal to a simpler one: one line each."""
+    out = []
+    unused = {"naive": {"is_cap", "tbpo_eps_low", "tbpo_eps_high", "tbpo_eps_high_neg", "tbpo_max_mismatch"},
+              "tis": {"tbpo_eps_low", "tbpo_eps_high", "tbpo_eps_high_neg", "tbpo_max_mismatch"},
+              "tbpo": {"eps_low", "eps_high"}}
+    unused["acr"] = unused["tis"]
+    for name in sorted(unused[a.loss] & typed):
+        out.append(f"--{name.replace('_', '-')} does nothing with --loss {a.loss}")
+    tool = a.dry_run or a.plot or a.bench_rollout or a.bench_quant or a.bench_memory or a.bench_train
+    if a.ppo_epochs * a.mini_batches == 1 and a.loss != "naive" and not tool:
+        what = {"tis": "the PPO clip never binds", "acr": "the PPO clip never binds and ACR equals TIS bit for bit",
+                "tbpo": "no sequence leaves TBPO's band (s = 1)"}[a.loss]
+        out.append(f"with one update per rollout (--ppo-epochs 1 --mini-batches 1) pi_theta = pi_prox at the update, "
+                   f"so R = 1: {what}; use --mini-batches > 1 or --ppo-epochs > 1 to see it act")
+    return out
 
 
 def validate_args(a: Args) -> str | None:
@@ -197,7 +232,15 @@ def validate_args(a: Args) -> str | None:
         (a.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {a.max_grad_norm}"),
         (a.max_bad_steps >= 1, "--max-bad-steps must be >= 1"),
         (a.device in ("auto", "cpu", "cuda") or a.device.startswith("cuda:"), f"--device: unknown '{a.device}'"),
-        (a.dtype in ("auto", "float32", "bfloat16", "float16"), f"--dtype: unknown '{a.dtype}'"),
+        (a.dtype != "float16", "--dtype float16 is not supported: fp16 autocast needs loss scaling, which qurl "
+                               "does not do; use bfloat16 (or float32 on a GPU without bf16)"),
+        (a.dtype in ("auto", "float32", "bfloat16"), f"--dtype: unknown '{a.dtype}' (auto, float32 or bfloat16)"),
+        (min(a.tbpo_eps_low, a.tbpo_eps_high, a.tbpo_eps_high_neg) > 0 and a.tbpo_eps_low < 1,
+         "--tbpo-eps-low/-high/-high-neg must be > 0 (and eps-low < 1)"),
+        (a.tbpo_max_mismatch is None or a.tbpo_max_mismatch > 1, "--tbpo-max-mismatch must be > 1"),
+        (a.temperature > 0 or a.steps == 0 or a.dry_run or a.plot or a.bench_quant or a.bench_rollout,
+         "--temperature 0 (greedy) cannot train: a greedy rollout has no distribution to compute a policy gradient "
+         "of; use a temperature > 0 (1.0 is the default)"),
         (not (a.align_forward and a.quant == "none"), "--align-forward needs a quantizer: add --quant int8 or fp8"),
         (a.run_name is None or (a.run_name not in ("", ".", "..") and not set(a.run_name) & set("/\\")),
          f"--run-name must be one folder name inside --out-dir (not empty, no / or \\, not . or ..), "
@@ -399,6 +442,9 @@ def resolve_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[tor
     dev = torch.device(device)
     if dtype == "auto":
         dtype = "bfloat16" if dev.type == "cuda" else "float32"
+        if dev.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+            dtype = "float32"
+            _notice_once("no-bf16", "this GPU has no bf16 arithmetic: computing in float32")
     return dev, getattr(torch, dtype)
 
 
@@ -442,33 +488,30 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 # Quantization: W8A8 FP8 (torch) and INT8 (bitsandbytes), weight sync, invariant scaling, rollout-aligned forward
 # ======================================================================================================================
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+INT8_X_MAX = 2.0 ** 14  # bitsandbytes takes fp16 activations (max 65504): larger rows are scaled down first, exactly
 
 
-def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-channel FP8: w ~= w8 * scale[:, None], scale = amax|w_row| / 448 (QuRL Sec. 3, W8A8 FP8)."""
-    scale = w.float().abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
-    w8 = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # clamp: cast may not saturate
-    return w8, scale
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row FP8 e4m3: x ~= x8 * scale[:, None], scale = amax|x_row| / 448 (QuRL Sec. 3, W8A8 FP8). The same
+    quantizer serves weights (a row = an output channel) and activations (a row = a token)."""
+    xf = x.detach().float()
+    scale = xf.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    x8 = (xf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # clamp first: the cast may not saturate
+    return x8, scale
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """LLM.int8 vector-wise INT8 (bitsandbytes): w ~= w8 * absmax[:, None] / 127. Returns (w8, absmax): bnb's
-    convention keeps the row absmax, not the step, because int8_mm_dequant multiplies by absmax_x*absmax_w/127^2."""
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """LLM.int8 vector-wise INT8 (bitsandbytes, threshold 0): x ~= x8 * absmax[:, None] / 127. Returns (x8, absmax):
+    bnb keeps the row absmax, not the step, because int8_mm_dequant multiplies by absmax_x*absmax_w/127^2."""
     import bitsandbytes.functional as bnbF
-    w8, absmax, _ = bnbF.int8_vectorwise_quant(w.detach().to(torch.float16).contiguous(), threshold=0.0)
-    return w8, absmax
-
-
-def _fp8_act(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token dynamic FP8 activation quantization: x ~= x8 * s_x[:, None]."""
-    s_x = x2.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-    return (x2.float() / s_x).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s_x
+    x8, absmax, _ = bnbF.int8_vectorwise_quant(x.detach().to(torch.float16).contiguous(), threshold=0.0)
+    return x8, absmax
 
 
 def fp8_kernel_for(device: torch.device, shape: tuple[int, int], prefer: str = "auto") -> str:
     """'scaled_mm' where torch._scaled_mm runs (CUDA with compute capability >= 8.9; CPU on request) and the dims are
     multiples of 16, else 'emulate': dequantize-and-matmul with the same numerics (an A100, odd shapes, and CPU by
-    default, where a matmul on weights dequantized once is 1.7-2.6x faster than CPU _scaled_mm)."""
+    default, where a matmul on weights dequantized once is faster than CPU _scaled_mm)."""
     if prefer == "emulate" or shape[0] % 16 or shape[1] % 16 or not hasattr(torch, "_scaled_mm"):
         return "emulate"
     if device.type == "cpu" and prefer == "auto":
@@ -485,6 +528,45 @@ def _notice_once(key: str, msg: str) -> None:
     if key not in _NOTICED:
         _NOTICED.add(key)
         notice(msg)
+
+
+def out_dtype_for(x: torch.Tensor) -> torch.dtype:
+    """The dtype a linear returns here: the autocast dtype inside torch.autocast, else the input's."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def w8a8_matmul(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, fmt: str, kernel: str,
+                w_deq: torch.Tensor | None = None) -> torch.Tensor:
+    """y = Q(x2) @ Q(W)^T for (M, K) activations, quantized per token here, and (N, K) weight codes with per-row
+    scales: the sampler's kernel. Returns fp32 (rounded to fp16 for INT8 and to bf16 for CUDA FP8, as those kernels
+    return it). w_deq: the weights dequantized once (CPU FP8 emulation)."""
+    dev = x2.device.type   # the kernel fixes its own numerics: no autocast inside
+    with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else contextlib.nullcontext():
+        if fmt == "int8":
+            import bitsandbytes.functional as bnbF
+            amax = x2.detach().float().abs().amax(dim=-1, keepdim=True)
+            k = torch.exp2(torch.ceil(torch.log2((amax / INT8_X_MAX).clamp(min=1.0))))  # power of 2: exact
+            if bool((k > 1).any()):
+                _notice_once("int8-range", f"INT8: activations up to {float(amax.max()):.3g} exceed fp16's range "
+                                           f"for bitsandbytes; those tokens are scaled by a power of 2 and back")
+            x8, s_x = quantize_int8(x2 / k)
+            acc = bnbF.int8_linear_matmul(x8, w_q)                             # int32 = x8 @ w8^T
+            return bnbF.int8_mm_dequant(acc, s_x, w_scale).float() * k         # * absmax_x*absmax_w/127^2
+        x8, s_x = quantize_fp8(x2)
+        s_x = s_x[:, None]
+        if kernel == "scaled_mm":
+            try:
+                return torch._scaled_mm(x8, w_q.t(), scale_a=s_x, scale_b=w_scale[None, :], out_dtype=torch.bfloat16
+                                        if x2.is_cuda else torch.float32).float()
+            except (RuntimeError, ValueError) as e:  # a build or device that refuses row-wise scales
+                _notice_once("fp8-runtime", f"FP8: torch._scaled_mm refused this call ({str(e)[:80]}); using "
+                                            f"dequantize-and-matmul with the same numerics")
+        if w_deq is not None:           # CPU: weights dequantized once per sync, scales applied before the sum
+            return F.linear(x8.float() * s_x, w_deq)
+        if x2.is_cuda:                  # no FP8 tensor cores (A100): bf16 holds every e4m3 code exactly
+            return (x8.to(torch.bfloat16) @ w_q.to(torch.bfloat16).t()).float() * s_x * w_scale
+        return (x8.float() @ w_q.float().t()) * s_x * w_scale
 
 
 class QuantLinear(nn.Module):
@@ -514,9 +596,7 @@ class QuantLinear(nn.Module):
     def load_weight(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> int:
         """Re-quantize from full-precision weights; returns how many 8-bit codes changed."""
         q, s = quantize_fp8(w) if self.fmt == "fp8" else quantize_int8(w)
-        old = self.weight_q.view(torch.uint8) if self.weight_q.dtype != torch.int8 else self.weight_q
-        new = q.view(torch.uint8) if q.dtype != torch.int8 else q
-        changed = int((old.view(torch.uint8) != new.view(torch.uint8)).sum()) if old.dtype == new.dtype else q.numel()
+        changed = int((self.weight_q.view(torch.uint8) != q.view(torch.uint8)).sum())
         self.weight_q, self.weight_scale = q, s.float()
         if self.kernel == "emulate" and q.device.type == "cpu":
             self.weight_deq = q.float() * self.weight_scale[:, None]  # exact codes times their row scale, fp32
@@ -525,29 +605,10 @@ class QuantLinear(nn.Module):
         return changed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        if self.fmt == "int8":
-            import bitsandbytes.functional as bnbF
-            x8, s_x, _ = bnbF.int8_vectorwise_quant(x2.to(torch.float16).contiguous(), threshold=0.0)
-            acc = bnbF.int8_linear_matmul(x8, self.weight_q)                  # int32 = x8 @ w8^T
-            y = bnbF.int8_mm_dequant(acc, s_x, self.weight_scale).to(x.dtype)  # * absmax_x*absmax_w/127^2
-        else:
-            x8, s_x = _fp8_act(x2)
-            y = None
-            if self.kernel == "scaled_mm":
-                try:
-                    y = torch._scaled_mm(x8, self.weight_q.t(), scale_a=s_x, scale_b=self.weight_scale[None, :],
-                                         out_dtype=x.dtype)
-                except RuntimeError as e:  # e.g. row-wise scales with an fp32 output on some CUDA builds
-                    self.kernel = "emulate"
-                    _notice_once("fp8-runtime", f"FP8: torch._scaled_mm refused this call ({str(e)[:80]}); "
-                                                f"using dequantize-and-matmul with the same numerics")
-            if y is None and self.weight_deq is not None:  # same quantized operands, scales applied before the sum
-                y = F.linear(x8.float() * s_x, self.weight_deq).to(x.dtype)
-            elif y is None:  # same numerics: fp8 codes are exact in fp32, products accumulated in fp32
-                y = ((x8.float() @ self.weight_q.float().t()) * s_x * self.weight_scale).to(x.dtype)
+        y = w8a8_matmul(x.reshape(-1, self.in_features), self.weight_q, self.weight_scale, self.fmt, self.kernel,
+                        self.weight_deq).to(out_dtype_for(x))
         if self.bias is not None:
-            y = y + self.bias
+            y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -595,6 +656,8 @@ def quant_bytes(q_model: nn.Module) -> tuple[int, int]:
 def sync_weights(q_model: nn.Module, model: nn.Module) -> float:
     """Quantized actor <- fp actor: re-quantize every QuantLinear, copy everything else. Returns the flip rate, the
     fraction of 8-bit weight codes that changed (QuRL's weight-update problem: tiny updates often flip none)."""
+    if q_model is model:  # fp32 with --quant none: the sampler is the actor itself
+        return 0.0
     fp = dict(model.named_modules())
     changed = total = 0
     for name, qm in q_model.named_modules():
@@ -639,33 +702,38 @@ def invariant_scale(model: nn.Module, s: float) -> None:
 
 
 def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Per-row (last dim) symmetric quantize-dequantize in the sampler's numerics, straight-through gradient
-    (QaRL's rollout-aligned forward): the value is quantized, the gradient is the identity."""
+    """Per-row quantize-dequantize in the sampler's format, straight-through gradient: the value is quantized, the
+    gradient is the identity."""
     if fmt == "fp8":
-        s = x.detach().float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-        q = (x.detach().float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s
-    else:  # bitsandbytes' int8_vectorwise_quant: fp16 input, round(x * 127 / absmax)
-        xh = x.detach().to(torch.float16).float()
-        absmax = xh.abs().amax(dim=-1, keepdim=True)
-        q = torch.round(xh * (127.0 / absmax)) * (absmax / 127.0)
-        q = torch.nan_to_num(q)  # an all-zero row
-    return x + (q.to(x.dtype) - x).detach()
+        q, s = quantize_fp8(x.reshape(-1, x.shape[-1]))
+        deq = q.float() * s[:, None]
+    else:
+        q, absmax = quantize_int8(x.reshape(-1, x.shape[-1]))
+        deq = q.float() * (absmax.float()[:, None] / 127.0)
+    return x + (deq.reshape(x.shape).to(x.dtype) - x).detach()
 
 
-def _aligned_linear_forward(lin: nn.Linear, fmt: str, x: torch.Tensor) -> torch.Tensor:
-    y = F.linear(fake_quant(x, fmt), fake_quant(lin.weight, fmt))
-    if fmt == "int8":  # bitsandbytes' int8_mm_dequant returns fp16: round the same way (straight-through)
-        y = y + (y.detach().to(torch.float16).to(y.dtype) - y.detach())
-    return y if lin.bias is None else y + lin.bias
+def aligned_linear(lin: nn.Linear, fmt: str, x: torch.Tensor, fp8_kernel: str = "auto") -> torch.Tensor:
+    """QaRL's rollout-aligned linear: the value is the sampler's own kernel on the codes of the current weights (so
+    pi_prox equals pi_behav in any dtype), the gradient is the straight-through fake-quant path's."""
+    x2 = x.reshape(-1, lin.in_features)
+    with torch.no_grad():
+        w_q, w_scale = quantize_fp8(lin.weight) if fmt == "fp8" else quantize_int8(lin.weight)
+        kernel = "bnb" if fmt == "int8" else fp8_kernel_for(x.device, tuple(lin.weight.shape), fp8_kernel)
+        w_deq = w_q.float() * w_scale.float()[:, None] if kernel == "emulate" and not x.is_cuda else None
+        value = w8a8_matmul(x2, w_q, w_scale.float(), fmt, kernel, w_deq).to(out_dtype_for(x))
+    ste = F.linear(fake_quant(x2, fmt), fake_quant(lin.weight, fmt))   # carries the gradient only
+    y = (value + (ste - ste.detach())).reshape(*x.shape[:-1], lin.out_features)   # exactly value, grad of ste
+    return y if lin.bias is None else y + lin.bias.to(y.dtype)
 
 
 @contextmanager
-def rollout_aligned(model: nn.Module, fmt: str | None):
-    """Within this block the fp actor's decoder linears compute in the sampler's W8A8 numerics (fake-quantized
-    weights and per-token activations, straight-through gradients to the fp weights). fmt None: a no-op."""
-    lins = [m for _, m in decoder_linears(model)] if fmt else []
+def rollout_aligned(model: nn.Module | None, fmt: str | None, fp8_kernel: str = "auto"):
+    """Within this block the model's decoder linears compute in the sampler's W8A8 numerics (`aligned_linear`), with
+    straight-through gradients to the full-precision weights. fmt or model None: a no-op."""
+    lins = [m for _, m in decoder_linears(model)] if fmt and model is not None else []
     for lin in lins:
-        lin.forward = lambda x, lin=lin: _aligned_linear_forward(lin, fmt, x)
+        lin.forward = lambda x, lin=lin: aligned_linear(lin, fmt, x, fp8_kernel)
     try:
         yield model
     finally:
@@ -723,7 +791,7 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
         _notice_once("top-p", "top_p < 1 truncates the sampler's distribution; the training side uses the full "
                               "softmax, so the importance ratio pi_prox/pi_behav is biased")
     device = next(model.parameters()).device
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False, padding_side="left")
     ids, am = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     P, B = ids.shape[1], len(prompts) * n
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -788,7 +856,8 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
                    temperature: float = 1.0, micro_batch: int = 64) -> torch.Tensor:
     """(B, R) log-probs of the response tokens (the last R columns) under log_softmax(logits / T), in micro-batches;
-    differentiable when called under grad. Only the R+1 last positions go through lm_head."""
+    differentiable when called under grad. Only the R response positions go through lm_head, and no (.., vocab)
+    log-prob tensor is built: log p(token) = z[token] - logsumexp(z) with z = logits / T in fp32."""
     R = response_mask.shape[1]
     temp = temperature if temperature > 0 else 1.0  # greedy rollouts are scored at T = 1, as `sample` records them
     out = []
@@ -797,14 +866,30 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         pos = (am.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=False,
                        logits_to_keep=R + 1).logits[:, :-1]    # position j predicts token j + 1
-        logp = torch.log_softmax(logits.float() / temp, dim=-1)
-        out.append(logp.gather(-1, ids[:, -R:, None]).squeeze(-1))
+        z = logits.float() / temp if temp != 1.0 else logits.float()
+        out.append(z.gather(-1, ids[:, -R:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1))
+        del logits, z
     return torch.cat(out) * response_mask
 
 
 # ======================================================================================================================
 # Advantages and losses
 # ======================================================================================================================
+LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps a runaway log-ratio finite before exp
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of x over the positions where mask is 1 (all of them, or along dim); 0 where the mask is empty."""
+    s = (x * mask).sum() if dim is None else (x * mask).sum(dim)
+    return s / (mask.sum() if dim is None else mask.sum(dim)).clamp(min=1.0)
+
+
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(p || q) from samples of p, with log_ratio = log q/p: e^r - 1 - r >= 0."""
+    r = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return r.exp() - 1 - r
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
     """GRPO: A_i = (R_i - mean_group R) / (std_group R + 1e-6), std unbiased (as TRL). Also counts the groups
     whose rewards are all equal: they carry no learning signal."""
@@ -814,91 +899,261 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tens
     return adv.view(-1), int((std.squeeze(1) == 0).sum())
 
 
-LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps a runaway log-ratio finite before exp
-
-
 def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.Tensor, adv: torch.Tensor,
                 mask: torch.Tensor, loss: str = "acr", eps_low: float = 0.2, eps_high: float = 0.28,
-                is_cap: float = 2.0, tbpo_band: tuple[float, float, float] = (3e-4, 4e-4, 7e-4)):
-    """The policy objective over (B, T) token log-probs of the three policies, adv (B,), mask (B, T).
+                is_cap: float = 2.0, tbpo_eps: tuple[float, float, float] = (3e-4, 4e-4, 7e-4),
+                tbpo_max_mismatch: float | None = None, denom: float | None = None) -> tuple[torch.Tensor, dict]:
+    """The policy objective over (B, T) token log-probs of the three policies, adv (B,) and mask (B, T).
 
     naive: PPO clip of pi_theta/pi_behav.   tis: decoupled PPO with w = min(pi_prox/pi_behav, C).
     acr:   tis with QuRL's adaptive upper bound.   tbpo: QaRL's sequence-level trust band.
-    Token losses are a token mean over the batch (DAPO); tbpo a mean over kept sequences. Masked tokens and
-    dropped sequences leave the denominator. Returns (loss, metrics of floats).
+    Gradient flows only into logp: the old policies and the advantages are detached here. Token losses are a token
+    mean (DAPO), tbpo a mean over the sequences kept in their band; `denom` replaces that denominator (gradient
+    accumulation passes the whole mini-batch's). Metrics are fractions of this batch's tokens or sequences.
     """
-    mask = mask.float()
-    n_tok = mask.sum().clamp(min=1.0)
-    A = adv.float()[:, None]
-    d = (logp_prox - logp_behav).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # log pi_prox/pi_behav
-    k3 = d.exp() - 1 - d                       # k3 estimate of KL(pi_behav || pi_prox) from samples of pi_behav
-    m = {"mismatch/kl": float((k3 * mask).sum() / n_tok),
-         "mismatch/logp_absdiff": float((d.abs() * mask).sum() / n_tok),
-         "mismatch/ratio_max": float(d.masked_fill(mask == 0, -math.inf).max().exp()) if mask.any() else 1.0,
-         "loss/entropy": float(-(logp.detach() * mask).sum() / n_tok)}   # sampled-token estimate of the entropy
-
+    logp_prox, logp_behav, adv = logp_prox.detach(), logp_behav.detach(), adv.detach().to(logp.dtype)
+    mask = mask.to(logp.dtype)
+    log_w = (logp_prox - logp_behav).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)   # log pi_prox / pi_behav
+    m = {"loss/entropy": float(masked_mean(-logp.detach(), mask))}  # sampled-token estimate of the entropy
     if loss == "tbpo":
-        lo, hi_pos, hi_neg = tbpo_band
-        n_seq = mask.sum(1)
-        denom = n_seq.clamp(min=1.0)
-        log_s = ((logp - logp_prox) * mask).sum(1) / denom   # QaRL: s_i = exp(mean_t log pi_theta/pi_prox), GSPO-style
-        s = log_s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()   # geometric mean, not a sum (TRL #5814)
-        w = ((d * mask).sum(1) / denom).exp()            # sequence mismatch w_i = exp(mean_t log pi_prox/pi_behav)
-        keep = (n_seq > 0) & (w >= 0.5) & (w <= 2.0)     # QaRL: drop sequences outside [1/2, 2]
-        w_hat = w.clamp(max=2.0)                          # QaRL: w_hat = min(w, 2)
-        a = adv.float()
-        pos = torch.minimum(s * a, s.clamp(1 - lo, 1 + hi_pos) * a)  # A >= 0: PPO-style clip [1-3e-4, 1+4e-4]
-        neg = s.clamp(1 - lo, 1 + hi_neg) * a                         # A < 0: two-sided trust band [1-3e-4, 1+7e-4]
-        per_seq = -w_hat * torch.where(a >= 0, pos, neg)
-        k = keep.float()
-        n_keep = k.sum().clamp(min=1.0)
-        out = (per_seq * k).sum() / n_keep
+        lo, hi_pos, hi_neg = tbpo_eps
+        live = mask.sum(1) > 0
+        log_s = masked_mean(logp - logp_prox, mask, dim=1)  # QaRL TBPO: s_i = exp(mean_t log pi_theta/pi_prox) (GSPO)
+        s = log_s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()     # a geometric mean, not a sum (TRL #5814)
+        log_w_seq = masked_mean(log_w, mask, dim=1)                  # w_i = exp(mean_t log pi_prox/pi_behav)
+        w_hat = log_w_seq.exp().clamp(max=is_cap)                    # w_hat_i = min(w_i, C), no grad
+        pos = torch.minimum(s * adv, s.clamp(1 - lo, 1 + hi_pos) * adv)   # A >= 0: PPO clip [1-eps_lo, 1+eps_hi+]
+        neg = s.clamp(1 - lo, 1 + hi_neg) * adv                             # A < 0: the trust band [1-eps_lo, 1+eps_hi-]
         sd = s.detach()
-        m.update({"loss/policy": float(out.detach()), "tbpo/kept": float(k.mean()),
-                  "clip/low": float(((sd < 1 - lo) * k).sum() / n_keep),
-                  "clip/high": float((((a >= 0) & (sd > 1 + hi_pos) | (a < 0) & (sd > 1 + hi_neg)) * k).sum()
-                                     / n_keep),
-                  "clip/acr_upper": 1 + hi_pos})
+        below = (adv < 0) & (sd < 1 - lo)
+        above = torch.where(adv >= 0, sd > 1 + hi_pos, sd > 1 + hi_neg)
+        keep = live & ~below & ~above                                # out of band: out of the loss and its denominator
+        if tbpo_max_mismatch is not None:                            # optional: drop w_i outside [1/M, M]
+            keep &= log_w_seq.abs() <= math.log(tbpo_max_mismatch)
+        k = keep.to(logp.dtype)
+        n_live = live.sum().clamp(min=1)
+        out = -(k * w_hat * torch.where(adv >= 0, pos, neg)).sum() / (denom or k.sum().clamp(min=1.0))
+        m.update({"loss/policy": float(out.detach()), "tbpo/kept": float(k.sum() / n_live),
+                  "tbpo/n_kept": float(k.sum()), "clip/low": float((below & live).sum() / n_live),
+                  "clip/high": float((above & live).sum() / n_live)})
         return out, m
-
     if loss == "naive":
         ratio = (logp - logp_behav).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # pi_theta / pi_behav
-        w = torch.ones_like(ratio)
-        upper = torch.full_like(ratio, 1 + eps_high)
+        w, upper = torch.ones_like(ratio), torch.full_like(ratio, 1 + eps_high)
     else:
         ratio = (logp - logp_prox).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()   # R = pi_theta / pi_prox
-        w = d.exp().clamp(max=is_cap)                 # TIS (FlashRL): w = min(pi_prox / pi_behav, C), no grad
+        w = log_w.exp().clamp(max=is_cap)             # TIS (FlashRL): w = min(pi_prox / pi_behav, C), no grad
+        upper = torch.full_like(ratio, 1 + eps_high)
         if loss == "acr":
-            r = (is_cap * (-d).exp()).clamp(max=1.0)  # QuRL Eq. 9: r = min(1, C pi_behav / pi_prox)
-            upper = (1 + eps_high) / r                # QuRL Eq. 9: upper bound (1 + eps_high) / r
-        else:
-            upper = torch.full_like(ratio, 1 + eps_high)
+            r = (is_cap * (-log_w).exp()).clamp(max=1.0)  # QuRL Eq. 9: r = min(1, C pi_behav / pi_prox)
+            upper = upper / r                             # QuRL Eq. 9: upper bound (1 + eps_high) / r
+    A = adv[:, None]
     clipped = torch.minimum(torch.maximum(ratio, torch.full_like(ratio, 1 - eps_low)), upper)
     pg = -w * torch.minimum(ratio * A, clipped * A)  # PPO: -min(R A, clip(R, 1-eps_low, upper) A)
-    out = (pg * mask).sum() / n_tok
+    out = (pg * mask).sum() / (denom or mask.sum().clamp(min=1.0))
     rd = ratio.detach()
-    m.update({"loss/policy": float(out.detach()),
-              "clip/low": float((((rd < 1 - eps_low) & (A < 0)) * mask).sum() / n_tok),
-              "clip/high": float((((rd > upper) & (A > 0)) * mask).sum() / n_tok),
-              "clip/acr_upper": float((upper * mask).sum() / n_tok)})
+    m.update({"loss/policy": float(out.detach()),   # clip fractions: tokens whose gradient the clip zeroes
+              "clip/low": float(masked_mean(((rd < 1 - eps_low) & (A < 0)).to(mask.dtype), mask)),
+              "clip/high": float(masked_mean(((rd > upper) & (A > 0)).to(mask.dtype), mask)),
+              "clip/acr_upper": float(masked_mean(upper, mask))})
     return out, m
 
 
-def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """k3 estimate of KL(pi_theta || pi_ref), token mean (Schulman's k3, as GRPO)."""
-    d = (logp_ref - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return ((d.exp() - 1 - d) * mask).sum() / mask.sum().clamp(min=1.0)
+def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor, denom: float | None = None):
+    """k3 estimate of KL(pi_theta || pi_ref), token mean (Schulman's k3, as GRPO); `denom` replaces the token count."""
+    return (k3(logp_ref.detach() - logp) * mask).sum() / (denom or mask.sum().clamp(min=1.0))
+
+
+def mismatch_metrics(logp_prox: torch.Tensor, logp_behav: torch.Tensor, mask: torch.Tensor) -> dict:
+    """How far the sampler is from the fp actor on the sampled tokens: k3 KL(pi_behav || pi_prox) per token, mean
+    |log pi_prox - log pi_behav|, and the largest token ratio pi_prox / pi_behav."""
+    log_w = (logp_prox - logp_behav).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return {"mismatch/kl": float(masked_mean(k3(log_w), mask)),
+            "mismatch/logp_absdiff": float(masked_mean(log_w.abs(), mask)),
+            "mismatch/ratio_max": float(log_w.masked_fill(mask == 0, -math.inf).max().exp()) if mask.any() else 1.0}
+
+
+# ======================================================================================================================
+# One RL step
+# ======================================================================================================================
+METRIC_KEYS = ["step", "reward/mean", "reward/zero_std_groups", "rollout/len_mean", "rollout/truncated",
+               "mismatch/kl", "mismatch/logp_absdiff", "mismatch/ratio_max", "clip/low", "clip/high",
+               "clip/acr_upper", "loss/policy", "loss/entropy", "loss/kl", "tbpo/kept", "quant/flip_rate",
+               "guard/skipped", "opt/lr", "perf/rollout_tok_s", "perf/step_s", "perf/rollout_frac", "eval/acc"]
+UPDATE_KEYS = ("clip/low", "clip/high", "clip/acr_upper", "loss/policy", "loss/entropy", "loss/kl", "tbpo/kept")
+
+
+@dataclass
+class Learner:
+    """What an RL step touches."""
+    model: nn.Module             # the trainable actor: fp32 master weights
+    opt: torch.optim.Optimizer   # AdamW over the masters, fp32 state
+    actor: nn.Module             # the rollout actor: its own copy in the rollout precision (or the model itself)
+    tok: object                  # the tokenizer
+    gen: torch.Generator         # the sampler's random numbers
+    dtype: torch.dtype           # compute dtype of every forward (torch.autocast; fp32 disables it)
+    ref_model: nn.Module | None = None   # the KL reference (the actor at the start), with --kl-coef > 0
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """Mixed precision the standard way: forwards compute in `dtype` on fp32 master weights; a no-op in fp32."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def make_rollout_actor(model: nn.Module, quant: str, dtype: torch.dtype, fp8_kernel: str = "auto") -> nn.Module:
+    """The sampler's own copy of the actor, refreshed from the masters by `sync_weights` at every step: W8A8 decoder
+    linears with the rest kept as the masters' copy (run under the learner's autocast, so that the aligned forward
+    reproduces it bit for bit), or with --quant none a copy in the compute dtype, as a bf16 inference engine holds it.
+    In fp32 with --quant none it is the model itself: the two would be identical."""
+    if quant != "none":
+        return quantize_actor(model, quant, fp8_kernel)
+    if dtype == torch.float32:
+        return model
+    return copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """The learner's forwards run in train mode (gradient checkpointing needs it). With dropout pi_prox and pi_theta
+    would be noisy estimates of the same policy, so every dropout probability is set to 0."""
+    for mod in model.modules():
+        if isinstance(mod, nn.Dropout):
+            mod.p = 0.0
+        for name in ("attention_dropout", "dropout"):   # transformers' attention modules keep a float
+            if isinstance(getattr(mod, name, None), float):
+                setattr(mod, name, 0.0)
+
+
+def train_step(rl: Learner, args: Args, problems: list[dict], step: int, reward_fn=None,
+               ignore_eos: bool = False) -> tuple[dict, float]:
+    """One RL step: sync -> rollout -> reward -> advantages -> logp_prox -> PPO epochs. Returns (metrics, rollout
+    seconds). Metrics that were not measured (no row to train, or not this loss's) are None. reward_fn(text, gold)
+    defaults to `reward`; ignore_eos (benchmarks) samples --max-new-tokens tokens in every row."""
+    t0, G = time.time(), args.group_size
+    m = {"step": step, "quant/flip_rate": sync_weights(rl.actor, rl.model)}  # 1. re-quantize from the masters
+    prompts = [format_prompt(p["question"], rl.tok) for p in problems]
+    rl.model.eval()
+    with autocast(rl.gen.device, rl.dtype):                                  # 2. rollout with the rollout actor
+        ro = sample(rl.actor, rl.tok, prompts, n=G, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, top_p=args.top_p, generator=rl.gen, ignore_eos=ignore_eos)
+    rl.model.train()
+    t_roll = time.time() - t0
+    golds = [p["gold"] for p in problems for _ in range(G)]
+    rewards = torch.tensor([(reward_fn or reward)(t, g) for t, g in zip(ro.texts, golds)])
+    adv, zero_groups = group_advantages(rewards, G)                          # 3. GRPO advantages
+    n_tok = float(ro.response_mask.sum())
+    m.update({"reward/mean": float(rewards.mean()), "reward/zero_std_groups": zero_groups,
+              "rollout/len_mean": n_tok / len(ro.texts), "rollout/truncated": float(ro.truncated.float().mean())})
+    trained = rewards.view(-1, G).std(1).repeat_interleave(G) > 0 if args.skip_zero_adv else rewards == rewards
+    dev = ro.input_ids.device
+    rows, rest = trained.nonzero().squeeze(1).to(dev), (~trained).nonzero().squeeze(1).to(dev)
+    one_update = args.ppo_epochs * args.mini_batches == 1
+    align = args.quant if args.align_forward else None
+    with autocast(dev, rl.dtype), rollout_aligned(rl.model, align, args.fp8_kernel), \
+            rollout_aligned(rl.ref_model, align, args.fp8_kernel):
+        # 4. logp_prox: the fp actor before this step's update, no grad, on every row (mismatch/* measures the
+        #    sampler). With one update per rollout a trained row's training forward is that very value: reused.
+        lp_prox = torch.zeros_like(ro.logp_behav)
+        need = rest if one_update else torch.arange(len(rewards), device=dev)
+        batch = lambda r: (ro.input_ids[r], ro.attention_mask[r], ro.response_mask[r])  # noqa: E731
+        with torch.no_grad():
+            if len(need):
+                lp_prox[need] = token_logprobs(rl.model, *batch(need), args.temperature, args.micro_batch)
+            lp_ref = (token_logprobs(rl.ref_model, *batch(rows), args.temperature, args.micro_batch)
+                      if rl.ref_model is not None and len(rows) else None)
+        # 5. PPO epochs over mini-batches, gradients accumulated over micro-batches
+        lm, prox_seen = update(rl, args, *batch(rows), ro.logp_behav[rows], adv.to(dev)[rows],
+                               None if one_update else lp_prox[rows], lp_ref)
+        if prox_seen is not None:
+            lp_prox[rows] = prox_seen
+    m.update(mismatch_metrics(lp_prox, ro.logp_behav, ro.response_mask))
+    m.update({k: lm.get(k) for k in UPDATE_KEYS}, **{"guard/skipped": lm.get("guard/skipped", 0)})
+    dt = time.time() - t0
+    m.update({"perf/rollout_tok_s": n_tok / max(t_roll, 1e-9), "perf/step_s": dt,
+              "perf/rollout_frac": t_roll / max(dt, 1e-9)})
+    return m, t_roll
+
+
+def update(rl: Learner, args: Args, ids, am, mask, logp_behav, adv, logp_prox=None, logp_ref=None):
+    """--ppo-epochs passes over the rows, --mini-batches optimizer steps per pass. Each optimizer step accumulates
+    gradients over micro-batches of --micro-batch rows, each micro-batch's loss divided by the whole mini-batch's
+    denominator, so memory is set by --micro-batch while the gradient is the single-pass one. logp_prox None: one
+    update per rollout, pi_prox is pi_theta's own value (returned, for the mismatch metrics).
+    Returns (metrics averaged over the optimizer steps, logp_prox seen or None)."""
+    kw = dict(loss=args.loss, eps_low=args.eps_low, eps_high=args.eps_high, is_cap=args.is_cap,
+              tbpo_eps=(args.tbpo_eps_low, args.tbpo_eps_high, args.tbpo_eps_high_neg),
+              tbpo_max_mismatch=args.tbpo_max_mismatch)
+    T, logs, prox_seen, skipped = args.temperature, [], [], 0
+    params = [p for p in rl.model.parameters() if p.requires_grad]
+    for _ in range(args.ppo_epochs if len(ids) else 0):
+        for mb in _batches(len(ids), args.mini_batches):
+            micro = [slice(i, min(i + args.micro_batch, mb.stop)) for i in range(mb.start, mb.stop, args.micro_batch)]
+            n_tok = float(mask[mb].sum())
+            denom = n_tok
+            if args.loss == "tbpo":  # the kept count is known after the pass: sum now, divide the gradient then;
+                denom = 1.0          # a KL term (a token mean of its own) needs it first: a no-grad pass counts it
+                if logp_ref is not None:
+                    denom = _tbpo_kept(rl, args, ids, am, mask, logp_behav, adv, logp_prox, micro, kw)
+            rl.opt.zero_grad(set_to_none=True)
+            parts = []
+            for sl in micro:
+                logp = token_logprobs(rl.model, ids[sl], am[sl], mask[sl], T, args.micro_batch)
+                prox = logp.detach() if logp_prox is None else logp_prox[sl]
+                loss, lm = policy_loss(logp, prox, logp_behav[sl], adv[sl], mask[sl], denom=denom, **kw)
+                if logp_ref is not None:
+                    kl = kl_penalty(logp, logp_ref[sl], mask[sl], denom=n_tok)
+                    loss = loss + args.kl_coef * kl
+                    lm["loss/kl"] = float(kl.detach())
+                loss.backward()
+                if logp_prox is None:
+                    prox_seen.append(prox)
+                parts.append((lm, float(mask[sl].sum()), float((mask[sl].sum(1) > 0).sum())))
+            lm = _combine_micro(parts)
+            if args.loss == "tbpo" and logp_ref is None:
+                kept = max(lm["tbpo/n_kept"], 1.0)
+                lm["loss/policy"] /= kept
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.div_(kept)
+            gnorm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            if math.isfinite(lm["loss/policy"]) and torch.isfinite(gnorm):  # numeric guard: never step on NaN/inf
+                rl.opt.step()
+            else:
+                skipped += 1
+                notice("non-finite loss or gradient: update skipped")
+            rl.opt.zero_grad(set_to_none=True)
+            logs.append(lm)
+    out = {k: sum(lm[k] for lm in logs) / len(logs) for k in logs[0]} if logs else {}
+    out["guard/skipped"] = skipped
+    return out, (torch.cat(prox_seen) if prox_seen else None)
+
+
+@torch.no_grad()
+def _tbpo_kept(rl: Learner, args: Args, ids, am, mask, logp_behav, adv, logp_prox, micro, kw) -> float:
+    kept = 0.0
+    for sl in micro:
+        lp = token_logprobs(rl.model, ids[sl], am[sl], mask[sl], args.temperature, args.micro_batch)
+        prox = lp if logp_prox is None else logp_prox[sl]
+        kept += policy_loss(lp, prox, logp_behav[sl], adv[sl], mask[sl], **kw)[1]["tbpo/n_kept"]
+    return max(kept, 1.0)
+
+
+def _combine_micro(parts: list[tuple[dict, float, float]]) -> dict:
+    """One mini-batch's metrics from its micro-batches': losses add up (each was divided by the mini-batch's
+    denominator), counts add up, fractions are weighted by tokens (token losses) or sequences (tbpo)."""
+    out = {}
+    for k in parts[0][0]:
+        if k in ("loss/policy", "loss/kl", "tbpo/n_kept"):
+            out[k] = sum(lm[k] for lm, _, _ in parts)
+        else:
+            w = [(n_seq if k in ("tbpo/kept", "clip/low", "clip/high") and "tbpo/kept" in lm else n_tok)
+                 for lm, n_tok, n_seq in parts]
+            out[k] = sum(lm[k] * wi for (lm, _, _), wi in zip(parts, w)) / max(sum(w), 1.0)
+    return out
 
 
 # ======================================================================================================================
 # Training loop
 # ======================================================================================================================
-METRIC_KEYS = ["step", "reward/mean", "reward/acc", "reward/zero_std_groups", "rollout/len_mean",
-               "rollout/truncated", "mismatch/kl", "mismatch/logp_absdiff", "mismatch/ratio_max", "clip/low",
-               "clip/high", "clip/acr_upper", "loss/policy", "loss/entropy", "loss/kl", "quant/flip_rate",
-               "guard/skipped", "opt/lr", "perf/rollout_tok_s", "perf/step_s", "perf/rollout_frac", "eval/acc"]
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -990,15 +1245,19 @@ def _model_id(model) -> dict:
 
 
 def _batches(n_rows: int, n_mb: int) -> list[slice]:
-    size = math.ceil(n_rows / n_mb)
-    return [slice(i, min(i + size, n_rows)) for i in range(0, n_rows, size)]
+    """n_mb contiguous slices of sizes that differ by at most one (fewer only when n_rows < n_mb)."""
+    bounds = [round(i * n_rows / n_mb) for i in range(n_mb + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def train(args: Args) -> dict:
     """sync -> rollout (quantized actor) -> reward -> advantages -> logp_prox (fp actor) -> PPO epochs -> log."""
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     seed_everything(args.seed)
-    model, tok = load_model(args.model, device, dtype)
+    model, tok = load_model(args.model, device, torch.float32)  # fp32 master weights; forwards run in `dtype`
+    disable_dropout(model)
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     train_set = load_problems(args.train_data, args.train_split, args.question_field, args.answer_field,
                               args.data_config)
     test_set = load_problems(args.test_data, args.test_split, args.question_field, args.answer_field,
@@ -1020,8 +1279,10 @@ def train(args: Args) -> dict:
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None  # the start
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
-    q_model = quantize_actor(model, fmt, args.fp8_kernel) if fmt else None
+    actor = make_rollout_actor(model, args.quant, dtype, args.fp8_kernel)
+    q_model = actor if fmt else None   # what a checkpoint keeps of the actor: its codes, for the next flip rate
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    rl = Learner(model, opt, actor, tok, gen, dtype, ref_model)
     start, data_pos = 0, 0
     make_run_dir(d, args)  # every check has passed: only now may an old run be replaced
     if ckpt is not None:
@@ -1046,7 +1307,8 @@ def train(args: Args) -> dict:
 
     def run_eval():
         model.eval()
-        r = evaluate(model, tok, test_set, max_new_tokens=args.max_new_tokens, batch_size=args.eval_batch)
+        with autocast(device, dtype):
+            r = evaluate(model, tok, test_set, max_new_tokens=args.max_new_tokens, batch_size=args.eval_batch)
         model.train()
         return r
 
@@ -1067,8 +1329,7 @@ def train(args: Args) -> dict:
         for step in range(start + 1, args.steps + 1):
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, args.steps, args.lr, args.lr_schedule)
-            m, t_roll = train_step(step, args, model, q_model, ref_model, opt, tok, gen, fmt,
-                                   next_problems(data_pos))
+            m, t_roll = train_step(rl, args, next_problems(data_pos), step)
             data_pos += P
             bad_in_row = bad_in_row + 1 if m["guard/skipped"] else 0
             skipped += m["guard/skipped"]
@@ -1099,16 +1360,27 @@ def train(args: Args) -> dict:
             if step % args.save_every == 0 and step != args.steps:
                 checkpoint(step)
     checkpoint(args.steps)
-    model.save_pretrained(d / "final")
-    tok.save_pretrained(d / "final")
+    save_final(d / "final", model, tok, s)
     wall = time.time() - t_start
     summary = {"start_eval_acc": first_eval, "final_eval_acc": last_eval, "wall_s": round(wall, 1),
-               "rollout_frac": rollout_time / max(step_time, 1e-9), "steps": args.steps, "skipped_updates": skipped}
+               "rollout_frac": rollout_time / max(step_time, 1e-9), "steps": args.steps, "skipped_updates": skipped,
+               "invariant_scale": s}
     (d / "summary.json").write_text(json.dumps(summary, indent=1))
     start_txt = f"{first_eval:.3f}" if first_eval is not None else "-"
     print(f"done: eval/acc {start_txt} -> {last_eval:.3f} in {wall:.0f}s (rollout {summary['rollout_frac']:.0%} "
           f"of step time); run folder {d}", flush=True)
     return summary
+
+
+def save_final(path: Path, model, tok, s: float) -> None:
+    """`final/`: a standard checkpoint that from_pretrained loads and a new run can start from. Its weights are the
+    fp32 masters (a bf16 export would round away most of an RL run's small updates), with invariant scaling folded
+    back: q/k/v and gate/up weights times s, their norms divided by s. The model is left on the original scale."""
+    if s != 1.0:
+        invariant_scale(model, 1.0 / s)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    (path / "qurl.json").write_text(json.dumps({"invariant_scale_folded_back": s, "dtype": "float32"}) + "\n")
 
 
 STOP: set = set()  # the signals received: non-empty once Ctrl-C or SIGTERM asked the loop to stop after this step
@@ -1149,80 +1421,6 @@ def lr_at(step: int, steps: int, lr: float, schedule: str) -> float:
     if schedule == "constant":
         return lr
     return 0.5 * lr * (1 + math.cos(math.pi * (step - 1) / max(steps, 1)))
-
-
-def train_step(step, args, model, q_model, ref_model, opt, tok, gen, fmt, probs) -> tuple[dict, float]:
-    """One RL step: sync -> rollout -> reward -> advantages -> logp_prox -> PPO epochs. Returns (metrics,
-    rollout seconds). A non-finite loss or gradient skips that update (counted in guard/skipped)."""
-    t0 = time.time()
-    G = args.group_size
-    m = {"step": step}
-    # 1. weight sync: quantized actor <- fp actor (re-quantize every step)
-    m["quant/flip_rate"] = sync_weights(q_model, model) if q_model is not None else 0.0
-    # 2. rollout with the quantized actor (the fp actor with --quant none)
-    prompts = [format_prompt(p["question"], tok) for p in probs]
-    model.eval()
-    ro = sample(q_model if q_model is not None else model, tok, prompts, n=G, max_new_tokens=args.max_new_tokens,
-                temperature=args.temperature, top_p=args.top_p, generator=gen)
-    model.train()
-    t_roll = time.time() - t0
-    n_tok = int(ro.response_mask.sum())
-    # 3. rewards and group advantages
-    golds = [p["gold"] for p in probs for _ in range(G)]
-    rewards = torch.tensor([reward(t, g) for t, g in zip(ro.texts, golds)])
-    adv, zero_groups = group_advantages(rewards, G)
-    m.update({"reward/mean": float(rewards.mean()), "reward/acc": float((rewards > 0.5).float().mean()),
-              "reward/zero_std_groups": zero_groups, "rollout/len_mean": n_tok / len(ro.texts),
-              "rollout/truncated": float(ro.truncated.float().mean())})
-    rows = torch.arange(len(rewards))
-    if args.skip_zero_adv:  # groups with equal rewards have zero advantage: no gradient, so skip their compute
-        rows = rows[rewards.view(-1, G).std(1).repeat_interleave(G) > 0]
-    idx = rows.to(ro.input_ids.device)
-    ids, am, mask, lp_behav = ro.input_ids[idx], ro.attention_mask[idx], ro.response_mask[idx], ro.logp_behav[idx]
-    a = adv[rows].to(idx.device)
-    loss_metrics, skipped = [], 0
-    one_update = args.ppo_epochs * args.mini_batches == 1
-    with rollout_aligned(model, fmt if args.align_forward else None):
-        # 4. logp_prox: the fp actor before this step's update, no grad (in the sampler's numerics with
-        #    --align-forward). With one update per batch it equals the training forward's value: reuse that.
-        lp_prox = lp_ref = None
-        if len(rows) and not one_update:
-            with torch.no_grad():
-                lp_prox = token_logprobs(model, ids, am, mask, args.temperature, args.micro_batch)
-        if len(rows) and ref_model is not None:
-            with torch.no_grad():
-                lp_ref = token_logprobs(ref_model, ids, am, mask, args.temperature, args.micro_batch)
-        # 5. PPO epochs over mini-batches
-        for _ in range(args.ppo_epochs if len(rows) else 0):
-            for mb in _batches(len(rows), args.mini_batches):
-                logp = token_logprobs(model, ids[mb], am[mb], mask[mb], args.temperature, args.micro_batch)
-                prox = logp.detach() if lp_prox is None else lp_prox[mb]
-                loss, lm = policy_loss(logp, prox, lp_behav[mb], a[mb], mask[mb], args.loss, args.eps_low,
-                                       args.eps_high, args.is_cap)
-                if ref_model is not None:
-                    kl = kl_penalty(logp, lp_ref[mb], mask[mb])
-                    loss = loss + args.kl_coef * kl
-                    lm["loss/kl"] = float(kl.detach())
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                if torch.isfinite(loss) and torch.isfinite(gnorm):  # numeric guard: never step on NaN/inf
-                    opt.step()
-                else:
-                    opt.zero_grad(set_to_none=True)
-                    skipped += 1
-                    notice(f"step {step}: non-finite loss or gradient, update skipped")
-                loss_metrics.append(lm)
-    for k in ("mismatch/kl", "mismatch/logp_absdiff", "mismatch/ratio_max", "clip/low", "clip/high",
-              "clip/acr_upper", "loss/policy", "loss/entropy", "loss/kl", "tbpo/kept"):
-        vals = [lm[k] for lm in loss_metrics if k in lm]
-        if vals or k != "tbpo/kept":  # tbpo/kept exists only for --loss tbpo
-            m[k] = (max(vals) if k == "mismatch/ratio_max" else sum(vals) / len(vals)) if vals else 0.0
-    m["guard/skipped"] = skipped
-    dt = time.time() - t0
-    m.update({"perf/rollout_tok_s": n_tok / max(t_roll, 1e-9), "perf/step_s": dt,
-              "perf/rollout_frac": t_roll / max(dt, 1e-9)})
-    return m, t_roll
 
 
 def check_prompt_lengths(model, tok, problems: list[dict], max_new_tokens: int) -> None:
@@ -1351,15 +1549,21 @@ def bench_rollout(args: Args) -> list[dict]:
             rows.append(_report({"model": args.model_config or Path(args.model).name, "quant": args.quant,
                                  "batch": G * n_prompts, "len": args.bench_len, "temperature": temp,
                                  "sample_tok_s": ours_tok / t_ours, "generate_tok_s": gen_tok / t_gen,
-                                 "ratio": (ours_tok / t_ours) / (gen_tok / t_gen)}, device))
+                                 "ratio": (ours_tok / t_ours) / (gen_tok / t_gen)}, device, args.bench_out))
     return rows
 
 
-def _report(row: dict, device) -> dict:
-    """Add the peak GPU memory (on CUDA) and print the row as key=value pairs."""
-    if device.type == "cuda":
+def _report(row: dict, device, out: str | None = None) -> dict:
+    """Name the device, add the peak GPU memory (on CUDA), print the row as key=value pairs, append it to `out`."""
+    row = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}",
+           **row}
+    if device.type == "cuda" and "peak_mem_gb" not in row:
         row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
     print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
     return row
 
 
@@ -1397,9 +1601,105 @@ def bench_quant(args: Args) -> list[dict]:
             rows.append(_report({"model": args.model_config or Path(args.model).name, "quant": fmt, "batch": batch,
                                  "len": args.bench_len, "tok_s": tok_s,
                                  "ratio_to_unquantized": tok_s / base[batch] if batch in base else float("nan"),
-                                 "linear_share": _linear_share(actor, run, device) / t, "kernel": kernel}, device))
+                                 "linear_share": _linear_share(actor, run, device) / t, "kernel": kernel}, device,
+                                args.bench_out))
         del actor
     return rows
+
+
+def _peak_reset(device) -> float:
+    """Start a peak-memory window; returns the bytes held now (CUDA: allocated tensors; CPU: resident memory)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return float(torch.cuda.memory_allocated())
+    Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the resident-memory high-water mark (VmHWM)
+    return _proc_status_kb("VmRSS") * 1024.0
+
+
+def _peak_bytes(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        return float(torch.cuda.max_memory_allocated())
+    return _proc_status_kb("VmHWM") * 1024.0
+
+
+def _proc_status_kb(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise QurlError("--bench-memory on CPU reads /proc/self/status (Linux); run it on Linux or on a GPU")
+
+
+def _bench_learner(args: Args, device, dtype):
+    """A learner at bench sizes: --model-config with random weights (fp32 masters), or --model."""
+    if args.model_config:
+        model = build_from_config(args.model_config, device, torch.float32).train()
+        tok = load_model(str(HERE / "data/tiny-qwen"), "cpu", torch.float32)[1]
+    else:
+        model, tok = load_model(args.model, device, torch.float32)
+    disable_dropout(model)
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-7)
+    actor = make_rollout_actor(model, args.quant, dtype, args.fp8_kernel)
+    return Learner(model, opt, actor, tok, torch.Generator(device=device).manual_seed(args.seed), dtype)
+
+
+def bench_memory(args: Args) -> list[dict]:
+    """Peak memory of the update half of an RL step (logp_prox, then one optimizer step accumulated over
+    --micro-batch rows at a time) for each row count in --bench-batch, on random rollouts of 32 prompt and
+    --bench-len response tokens. `step_peak_mib` is the peak above what was held before the step (weights, optimizer
+    state): it should not grow with the rows. A warm-up step allocates the optimizer state first."""
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    rl = _bench_learner(args, device, dtype)
+    vocab, P, R = rl.model.config.vocab_size, 32, args.bench_len
+    rows_list = [int(b) for b in args.bench_batch.split(",")]
+    out = []
+    for i, rows in enumerate([rows_list[0]] + rows_list):   # the first is the warm-up
+        g = torch.Generator().manual_seed(i)
+        ids = torch.randint(3, vocab, (rows, P + R), generator=g).to(device)
+        am, mask = torch.ones_like(ids), torch.ones(rows, R, device=device)
+        behav = (-torch.rand(rows, R, generator=g) * 3).to(device)
+        adv = torch.randn(rows, generator=g).to(device)
+        held = _peak_reset(device)
+        t0 = time.perf_counter()
+        with autocast(device, dtype):
+            with torch.no_grad():
+                prox = token_logprobs(rl.model, ids, am, mask, args.temperature, args.micro_batch)
+            update(rl, args, ids, am, mask, behav, adv, prox)
+        peak = _peak_bytes(device)
+        if i:
+            out.append(_report({"model": args.model_config or Path(args.model).name, "rows": rows, "len": R,
+                                "micro_batch": args.micro_batch, "grad_ckpt": args.grad_checkpointing,
+                                "dtype": str(dtype)[6:], "step_s": time.perf_counter() - t0,
+                                "step_peak_mib": (peak - held) / 2**20, "peak_mib": peak / 2**20},
+                               device, args.bench_out))
+    return out
+
+
+def bench_train(args: Args) -> list[dict]:
+    """Whole RL steps at the real sizes: one warm-up, then --bench-runs steps of train_step with --prompts-per-step x
+    --group-size rows of --max-new-tokens (EOS ignored: random weights would stop at random) and random 0/1 rewards.
+    Reports the median seconds per step, rollout tokens/s and the peak memory over the steps."""
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    rl = _bench_learner(args, device, dtype)
+    problems = load_problems(args.test_data)[:args.prompts_per_step]
+    coin = random.Random(args.seed)
+    times, tok_s, held = [], [], 0.0
+    for step in range(args.bench_runs + 1):
+        held = _peak_reset(device) if step == 1 else held
+        m, _ = train_step(rl, args, problems, step, reward_fn=lambda text, gold: float(coin.random() < 0.5),
+                          ignore_eos=True)
+        if step:
+            times.append(m["perf/step_s"])
+            tok_s.append(m["perf/rollout_tok_s"])
+    peak = _peak_bytes(device)
+    return [_report({"model": args.model_config or Path(args.model).name, "quant": args.quant,
+                     "rows": args.prompts_per_step * args.group_size, "new_tokens": args.max_new_tokens,
+                     "micro_batch": args.micro_batch, "dtype": str(dtype)[6:], "steps": args.bench_runs,
+                     "step_s": sorted(times)[len(times) // 2], "tok_s": sorted(tok_s)[len(tok_s) // 2],
+                     "peak_mem_gb": peak / 2**30, "step_peak_gb": (peak - held) / 2**30}, device, args.bench_out)]
 
 
 def _linear_share(actor, run, device) -> float:
@@ -1505,6 +1805,10 @@ def main(argv=None) -> None:
             bench_quant(args)
         elif args.bench_rollout:
             bench_rollout(args)
+        elif args.bench_memory:
+            bench_memory(args)
+        elif args.bench_train:
+            bench_train(args)
         else:
             train(args)
     except QurlError as e:
