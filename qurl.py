@@ -80,7 +80,8 @@ class Args:
     question_field: str = arg("question", "field holding the problem text")
     answer_field: str = arg("answer", "field holding the gold answer ('#### 42', '\\boxed{42}' or a bare value)")
     # quantized rollout
-    quant: str = arg("fp8", "rollout actor precision", choices=["none", "int8", "fp8"])
+    quant: str = arg("fp8", "rollout actor precision: W8A8 int8 or fp8, W4A16 nf4",
+                     choices=["none", "int8", "fp8", "nf4"])
     fp8_kernel: str = arg("auto", "FP8 matmul: torch._scaled_mm, dequantize-and-matmul emulation, or auto "
                                   "(_scaled_mm on CUDA >= 8.9, emulation on CPU, where it is faster)",
                           choices=["auto", "scaled_mm", "emulate"])
@@ -120,6 +121,8 @@ class Args:
     eval_every: int = arg(100, "evaluate the fp actor (greedy) every N steps, and at the end")
     eval_size: int = arg(500, "held-out problems per evaluation (0: all)")
     eval_batch: int = arg(256, "rows per evaluation batch")
+    eval_k: int = arg(0, "also log eval/pass@k from k samples per problem at T = 1 (0: off; 8 costs about 8 greedy "
+                         "evaluations)")
     log_every: int = arg(10, "print a progress line every N steps")
     save_every: int = arg(50, "write a checkpoint every N steps (and on Ctrl-C)")
     max_bad_steps: int = arg(3, "stop after this many non-finite updates in a row")
@@ -241,7 +244,8 @@ def validate_args(a: Args) -> str | None:
         (a.temperature > 0 or a.steps == 0 or a.dry_run or a.plot or a.bench_quant or a.bench_rollout,
          "--temperature 0 (greedy) cannot train: a greedy rollout has no distribution to compute a policy gradient "
          "of; use a temperature > 0 (1.0 is the default)"),
-        (not (a.align_forward and a.quant == "none"), "--align-forward needs a quantizer: add --quant int8 or fp8"),
+        (not (a.align_forward and a.quant == "none"), "--align-forward needs a quantizer: add --quant int8, fp8 or "
+                                                      "nf4"),
         (a.run_name is None or (a.run_name not in ("", ".", "..") and not set(a.run_name) & set("/\\")),
          f"--run-name must be one folder name inside --out-dir (not empty, no / or \\, not . or ..), "
          f"got {a.run_name!r}"),
@@ -496,7 +500,7 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     quantizer serves weights (a row = an output channel) and activations (a row = a token)."""
     xf = x.detach().float()
     scale = xf.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
-    x8 = (xf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # clamp first: the cast may not saturate
+    x8 = (xf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # clamp: the cast may not saturate
     return x8, scale
 
 
@@ -506,6 +510,21 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     import bitsandbytes.functional as bnbF
     x8, absmax, _ = bnbF.int8_vectorwise_quant(x.detach().to(torch.float16).contiguous(), threshold=0.0)
     return x8, absmax
+
+
+NF4_BLOCK = 64  # weights per absmax block (QLoRA's NF4 and QaRL's W4A16)
+
+
+def quantize_nf4(w: torch.Tensor):
+    """Weight-only NF4 (bitsandbytes, QLoRA's 4-bit NormalFloat): blocks of 64 weights scaled by their absmax, each
+    weight the nearest of 16 normal-quantile levels. Returns (packed codes, two per byte, and bnb's QuantState)."""
+    import bitsandbytes.functional as bnbF
+    return bnbF.quantize_4bit(w.detach().float().contiguous(), blocksize=NF4_BLOCK, quant_type="nf4")
+
+
+def dequantize_nf4(packed: torch.Tensor, state) -> torch.Tensor:
+    import bitsandbytes.functional as bnbF
+    return bnbF.dequantize_4bit(packed, state)
 
 
 def fp8_kernel_for(device: torch.device, shape: tuple[int, int], prefer: str = "auto") -> str:
@@ -570,20 +589,24 @@ def w8a8_matmul(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, fmt:
 
 
 class QuantLinear(nn.Module):
-    """W8A8 drop-in for nn.Linear: 8-bit weight codes with per-output-channel scales, activations quantized per
-    token on the fly, bias kept in full precision. fmt 'fp8' (e4m3) or 'int8' (bitsandbytes LLM.int8, threshold 0)."""
+    """Drop-in for nn.Linear in the rollout actor, bias kept in full precision. fmt 'fp8' (e4m3) and 'int8'
+    (bitsandbytes LLM.int8, threshold 0) are W8A8: 8-bit weight codes with per-output-channel scales, activations
+    quantized per token on the fly. fmt 'nf4' is W4A16 (QaRL's precision class): 4-bit NF4 weight codes in blocks of
+    64, activations left in the compute dtype."""
 
     def __init__(self, linear: nn.Linear, fmt: str, fp8_kernel: str = "auto"):
         super().__init__()
-        assert fmt in ("fp8", "int8"), fmt
+        assert fmt in ("fp8", "int8", "nf4"), fmt
         self.fmt, self.in_features, self.out_features = fmt, linear.in_features, linear.out_features
         w = linear.weight.detach()
-        self.register_buffer("weight_q", torch.empty(w.shape, dtype=torch.int8, device=w.device))
-        self.register_buffer("weight_scale", torch.empty(w.shape[0], dtype=torch.float32, device=w.device))
+        self.register_buffer("weight_q", torch.empty(0, dtype=torch.uint8, device=w.device))
+        self.register_buffer("weight_scale", torch.empty(0, dtype=torch.float32, device=w.device))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        self.kernel = "bnb" if fmt == "int8" else fp8_kernel_for(w.device, tuple(w.shape), fp8_kernel)
-        # CPU emulation keeps the dequantized weights (4 more bytes per weight, not counted by quant_bytes): CPU runs
-        # are demonstrations, and dequantizing at every call would cost more than the matmul.
+        self.kernel = {"int8": "bnb", "nf4": "bnb-nf4"}.get(fmt) or fp8_kernel_for(w.device, tuple(w.shape),
+                                                                                   fp8_kernel)
+        self.nf4_state = None
+        # CPU keeps the dequantized weights (4 more bytes per weight, not counted by quant_bytes): CPU runs are
+        # demonstrations, and dequantizing at every call would cost more than the matmul.
         self.register_buffer("weight_deq", None, persistent=False)
         wanted_mm = fp8_kernel == "scaled_mm" or (fp8_kernel == "auto" and w.device.type != "cpu")
         if fmt == "fp8" and self.kernel == "emulate" and wanted_mm:
@@ -594,17 +617,32 @@ class QuantLinear(nn.Module):
 
     @torch.no_grad()
     def load_weight(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> int:
-        """Re-quantize from full-precision weights; returns how many 8-bit codes changed."""
-        q, s = quantize_fp8(w) if self.fmt == "fp8" else quantize_int8(w)
-        changed = int((self.weight_q.view(torch.uint8) != q.view(torch.uint8)).sum())
+        """Re-quantize from full-precision weights; returns how many weight codes (8- or 4-bit) changed."""
+        if self.fmt == "nf4":
+            q, self.nf4_state = quantize_nf4(w)
+            s = self.nf4_state.absmax
+        else:
+            q, s = quantize_fp8(w) if self.fmt == "fp8" else quantize_int8(w)
+        old, new = self.weight_q.view(torch.uint8).flatten(), q.view(torch.uint8).flatten()
+        if old.shape != new.shape:
+            changed = w.numel()
+        elif self.fmt == "nf4":  # two 4-bit codes per byte: a moved block absmax changes values, not codes
+            diff = old ^ new
+            changed = int(((diff & 0x0F) != 0).sum() + ((diff & 0xF0) != 0).sum())
+        else:
+            changed = int((old != new).sum())
         self.weight_q, self.weight_scale = q, s.float()
-        if self.kernel == "emulate" and q.device.type == "cpu":
-            self.weight_deq = q.float() * self.weight_scale[:, None]  # exact codes times their row scale, fp32
+        if q.device.type == "cpu" and self.kernel in ("emulate", "bnb-nf4"):
+            self.weight_deq = (dequantize_nf4(q, self.nf4_state) if self.fmt == "nf4"
+                               else q.float() * self.weight_scale[:, None])  # exact codes times their scales, fp32
         if bias is not None:
             self.bias.copy_(bias)
         return changed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "nf4":  # W4A16: the dequantized weights meet activations in the compute dtype (autocast)
+            w = self.weight_deq if self.weight_deq is not None else dequantize_nf4(self.weight_q, self.nf4_state)
+            return F.linear(x, w, self.bias)
         y = w8a8_matmul(x.reshape(-1, self.in_features), self.weight_q, self.weight_scale, self.fmt, self.kernel,
                         self.weight_deq).to(out_dtype_for(x))
         if self.bias is not None:
@@ -622,9 +660,10 @@ def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def quantize_actor(model: nn.Module, fmt: str, fp8_kernel: str = "auto") -> nn.Module:
-    """A frozen copy of the model whose decoder-layer linears are W8A8 QuantLinear (1 byte per weight)."""
-    if fmt == "int8":
-        _require_bnb()
+    """A frozen copy of the model whose decoder-layer linears are QuantLinear (W8A8 int8/fp8: 1 byte per weight;
+    W4A16 nf4: half a byte)."""
+    if fmt in ("int8", "nf4"):
+        _require_bnb(fmt)
     q_model = copy.deepcopy(model).eval().requires_grad_(False)
     for name, lin in decoder_linears(q_model):
         parent, _, child = name.rpartition(".")
@@ -632,24 +671,24 @@ def quantize_actor(model: nn.Module, fmt: str, fp8_kernel: str = "auto") -> nn.M
     return q_model
 
 
-def _require_bnb() -> None:
+def _require_bnb(fmt: str = "int8") -> None:
     try:
         import bitsandbytes
     except ImportError:
-        raise QurlError("--quant int8 needs bitsandbytes >= 0.46 (pip install 'bitsandbytes>=0.46'); "
-                        "or use --quant fp8") from None
+        raise QurlError(f"--quant {fmt} needs bitsandbytes >= 0.46 (pip install 'bitsandbytes>=0.46'); "
+                        f"or use --quant fp8") from None
     major, minor = (int(v) for v in bitsandbytes.__version__.split(".")[:2])
     if (major, minor) < (0, 46):
-        raise QurlError(f"--quant int8 needs bitsandbytes >= 0.46 for its CPU ops, found {bitsandbytes.__version__}"
+        raise QurlError(f"--quant {fmt} needs bitsandbytes >= 0.46 for its CPU ops, found {bitsandbytes.__version__}"
                         f" (pip install -U bitsandbytes); or use --quant fp8")
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 def quant_bytes(q_model: nn.Module) -> tuple[int, int]:
-    """(bytes of 8-bit codes + scales, parameters they replace)."""
+    """(bytes of weight codes + their scales (row scales, or NF4's block absmax), weights they replace)."""
     qls = [m for m in q_model.modules() if isinstance(m, QuantLinear)]
     codes = sum(m.weight_q.numel() * m.weight_q.element_size() + m.weight_scale.numel() * 4 for m in qls)
-    return codes, sum(m.weight_q.numel() for m in qls)
+    return codes, sum(m.in_features * m.out_features for m in qls)
 
 
 @torch.no_grad()
@@ -716,6 +755,10 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
 def aligned_linear(lin: nn.Linear, fmt: str, x: torch.Tensor, fp8_kernel: str = "auto") -> torch.Tensor:
     """QaRL's rollout-aligned linear: the value is the sampler's own kernel on the codes of the current weights (so
     pi_prox equals pi_behav in any dtype), the gradient is the straight-through fake-quant path's."""
+    if fmt == "nf4":  # W4A16: the sampler's dequantized weights, straight-through to the fp weights
+        with torch.no_grad():
+            deq = dequantize_nf4(*quantize_nf4(lin.weight)).to(lin.weight.dtype)
+        return F.linear(x, deq + (lin.weight - lin.weight.detach()), lin.bias)
     x2 = x.reshape(-1, lin.in_features)
     with torch.no_grad():
         w_q, w_scale = quantize_fp8(lin.weight) if fmt == "fp8" else quantize_int8(lin.weight)
@@ -923,7 +966,7 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.T
         log_w_seq = masked_mean(log_w, mask, dim=1)                  # w_i = exp(mean_t log pi_prox/pi_behav)
         w_hat = log_w_seq.exp().clamp(max=is_cap)                    # w_hat_i = min(w_i, C), no grad
         pos = torch.minimum(s * adv, s.clamp(1 - lo, 1 + hi_pos) * adv)   # A >= 0: PPO clip [1-eps_lo, 1+eps_hi+]
-        neg = s.clamp(1 - lo, 1 + hi_neg) * adv                             # A < 0: the trust band [1-eps_lo, 1+eps_hi-]
+        neg = s.clamp(1 - lo, 1 + hi_neg) * adv                           # A < 0: the trust band [1-eps_lo, 1+eps_hi-]
         sd = s.detach()
         below = (adv < 0) & (sd < 1 - lo)
         above = torch.where(adv >= 0, sd > 1 + hi_pos, sd > 1 + hi_neg)
@@ -977,9 +1020,11 @@ def mismatch_metrics(logp_prox: torch.Tensor, logp_behav: torch.Tensor, mask: to
 # One RL step
 # ======================================================================================================================
 METRIC_KEYS = ["step", "reward/mean", "reward/zero_std_groups", "rollout/len_mean", "rollout/truncated",
+               "rollout/entropy",
                "mismatch/kl", "mismatch/logp_absdiff", "mismatch/ratio_max", "clip/low", "clip/high",
                "clip/acr_upper", "loss/policy", "loss/entropy", "loss/kl", "tbpo/kept", "quant/flip_rate",
-               "guard/skipped", "opt/lr", "perf/rollout_tok_s", "perf/step_s", "perf/rollout_frac", "eval/acc"]
+               "guard/skipped", "opt/lr", "perf/rollout_tok_s", "perf/step_s", "perf/rollout_frac", "eval/acc",
+               "eval/pass@k"]
 UPDATE_KEYS = ("clip/low", "clip/high", "clip/acr_upper", "loss/policy", "loss/entropy", "loss/kl", "tbpo/kept")
 
 
@@ -1066,6 +1111,7 @@ def train_step(rl: Learner, args: Args, problems: list[dict], step: int, reward_
         if prox_seen is not None:
             lp_prox[rows] = prox_seen
     m.update(mismatch_metrics(lp_prox, ro.logp_behav, ro.response_mask))
+    m["rollout/entropy"] = float(masked_mean(-ro.logp_behav, ro.response_mask))  # sampled-token estimate, all rows
     m.update({k: lm.get(k) for k in UPDATE_KEYS}, **{"guard/skipped": lm.get("guard/skipped", 0)})
     dt = time.time() - t0
     m.update({"perf/rollout_tok_s": n_tok / max(t_roll, 1e-9), "perf/step_s": dt,
@@ -1308,22 +1354,25 @@ def train(args: Args) -> dict:
     def run_eval():
         model.eval()
         with autocast(device, dtype):
-            r = evaluate(model, tok, test_set, max_new_tokens=args.max_new_tokens, batch_size=args.eval_batch)
+            r = evaluate(model, tok, test_set, max_new_tokens=args.max_new_tokens, batch_size=args.eval_batch,
+                         k=args.eval_k, seed=args.seed)
         model.train()
         return r
 
     t_start = time.time()
-    first_eval = run_eval()["acc"] if start == 0 else ckpt.get("first_eval")
-    last_eval = first_eval
+    first = run_eval() if start == 0 else {"acc": ckpt.get("first_eval"), "pass": ckpt.get("first_pass")}
+    first_eval, first_pass = first["acc"], first.get(f"pass@{args.eval_k}", first.get("pass"))
+    last_eval, last_pass = first_eval, first_pass
     if start == 0:
-        notice(f"step 0: eval/acc {first_eval:.3f} on {len(test_set)} held-out problems")
+        at_k = f", pass@{args.eval_k} {first_pass:.3f}" if args.eval_k else ""
+        notice(f"step 0: eval/acc {first_eval:.3f}{at_k} on {len(test_set)} held-out problems")
     bad_in_row, skipped, rollout_time, step_time = 0, 0, 0.0, 0.0
     if ckpt is not None:
         skipped = ckpt.get("skipped", 0)
 
     def checkpoint(at_step):
         save_checkpoint(d, model, q_model, opt, at_step, data_pos, gen, args, model_id,
-                        extra={"first_eval": first_eval, "skipped": skipped})
+                        extra={"first_eval": first_eval, "first_pass": first_pass, "skipped": skipped})
 
     with stop_requests(), open(d / "metrics.jsonl", "a") as metrics_f:
         for step in range(start + 1, args.steps + 1):
@@ -1342,8 +1391,10 @@ def train(args: Args) -> dict:
             step_time += m["perf/step_s"]
             eval_now = step % args.eval_every == 0 or step == args.steps
             if eval_now:
-                last_eval = run_eval()["acc"]
+                r = run_eval()
+                last_eval, last_pass = r["acc"], r.get(f"pass@{args.eval_k}")
             m["eval/acc"] = last_eval if eval_now else None
+            m["eval/pass@k"] = last_pass if eval_now else None
             metrics_f.write(json.dumps(m) + "\n")
             metrics_f.flush()
             if step % args.log_every == 0 or step == args.steps:
@@ -1364,7 +1415,8 @@ def train(args: Args) -> dict:
     wall = time.time() - t_start
     summary = {"start_eval_acc": first_eval, "final_eval_acc": last_eval, "wall_s": round(wall, 1),
                "rollout_frac": rollout_time / max(step_time, 1e-9), "steps": args.steps, "skipped_updates": skipped,
-               "invariant_scale": s}
+               "invariant_scale": s, "eval_k": args.eval_k, "start_pass_at_k": first_pass,
+               "final_pass_at_k": last_pass}
     (d / "summary.json").write_text(json.dumps(summary, indent=1))
     start_txt = f"{first_eval:.3f}" if first_eval is not None else "-"
     print(f"done: eval/acc {start_txt} -> {last_eval:.3f} in {wall:.0f}s (rollout {summary['rollout_frac']:.0%} "
@@ -1448,16 +1500,34 @@ def _truncate_metrics(path: Path, step: int) -> None:
 # Evaluation
 # ======================================================================================================================
 @torch.no_grad()
-def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int = 32, batch_size: int = 256) -> dict:
-    """Greedy accuracy and mean response length (tokens) on held-out problems."""
-    correct, length = 0.0, 0.0
+def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int = 32, batch_size: int = 256, k: int = 0,
+             seed: int = 0) -> dict:
+    """Greedy accuracy and mean response length (tokens) on held-out problems; with k > 0 also pass@k from k samples
+    per problem at T = 1 (Chen et al. 2021's unbiased estimator, which for n = k samples is "any of them right")."""
+    correct, length, solved = 0.0, 0.0, 0.0
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for i in range(0, len(problems), batch_size):
         chunk = problems[i:i + batch_size]
-        ro = sample(model, tokenizer, [format_prompt(p["question"], tokenizer) for p in chunk], n=1,
-                    max_new_tokens=max_new_tokens, temperature=0.0)
+        prompts = [format_prompt(p["question"], tokenizer) for p in chunk]
+        ro = sample(model, tokenizer, prompts, n=1, max_new_tokens=max_new_tokens, temperature=0.0)
         correct += sum(reward(t, p["gold"]) for t, p in zip(ro.texts, chunk))
         length += float(ro.response_mask.sum())
-    return {"acc": correct / len(problems), "len_mean": length / len(problems), "n": len(problems)}
+        per = max(1, batch_size // k) if k else len(chunk)   # problems per sampled batch of about batch_size rows
+        for j in range(0, len(chunk) if k else 0, per):
+            sub = chunk[j:j + per]
+            ro = sample(model, tokenizer, prompts[j:j + per], n=k, max_new_tokens=max_new_tokens, temperature=1.0,
+                        generator=gen)
+            right = torch.tensor([reward(t, p["gold"]) for t, p in zip(ro.texts, (p for p in sub for _ in range(k)))])
+            solved += sum(pass_at_k(k, int(c), k) for c in right.view(-1, k).sum(1))
+    out = {"acc": correct / len(problems), "len_mean": length / len(problems), "n": len(problems)}
+    if k:
+        out[f"pass@{k}"] = solved / len(problems)
+    return out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are right (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 # ======================================================================================================================
@@ -1576,10 +1646,10 @@ def bench_quant(args: Args) -> list[dict]:
     problems = load_problems(args.test_data, args.test_split, args.question_field, args.answer_field,
                              args.data_config)
     rows, base = [], {}
-    for fmt in ("none", "int8", "fp8"):
-        if fmt == "int8":
+    for fmt in ("none", "int8", "fp8", "nf4"):
+        if fmt in ("int8", "nf4"):
             try:
-                _require_bnb()
+                _require_bnb(fmt)
             except QurlError as e:
                 notice(f"bench: skipping int8 ({e})")
                 continue
@@ -1754,7 +1824,8 @@ def dry_run(args: Args) -> None:
 
 
 def plot_runs(run_dirs: list[str], out: str) -> None:
-    """Reward, eval accuracy, mismatch KL and flip rate per step for several runs, one figure."""
+    """Reward, eval accuracy, mismatch KL, sampled-token entropy, clip fraction and flip rate per step for several
+    runs, one figure (per-step series smoothed by a running mean over 1/25 of the run)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -1762,8 +1833,10 @@ def plot_runs(run_dirs: list[str], out: str) -> None:
     except ImportError:
         raise QurlError("--plot needs matplotlib: pip install matplotlib") from None
     panels = [("reward/mean", "reward (train)"), ("eval/acc", "held-out accuracy (greedy)"),
-              ("mismatch/kl", "mismatch KL(pi_behav||pi_prox)"), ("quant/flip_rate", "quant flip rate")]
-    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
+              ("mismatch/kl", "mismatch KL(pi_behav||pi_prox)"), ("rollout/entropy", "entropy (sampled tokens)"),
+              ("clip/low", "clip/low (gradient zeroed)"), ("quant/flip_rate", "quant flip rate")]
+    fig, axes = plt.subplots(2, 3, figsize=(16, 7.2))
+    axes = axes.flatten()
     for rd in run_dirs:
         f = Path(rd) / "metrics.jsonl"
         if not f.is_file():
@@ -1775,7 +1848,7 @@ def plot_runs(run_dirs: list[str], out: str) -> None:
             pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
             if key == "eval/acc" and start is not None:  # the warm start, evaluated before step 1
                 pts = [(0, start)] + pts
-            if key == "reward/mean" and len(pts) > 20:  # smooth the noisy per-step reward
+            if key != "eval/acc" and len(pts) > 20:  # smooth the noisy per-step series
                 k = max(1, len(pts) // 25)
                 pts = [(pts[i][0], sum(v for _, v in pts[max(0, i - k):i + 1]) / len(pts[max(0, i - k):i + 1]))
                        for i in range(len(pts))]
