@@ -1054,7 +1054,10 @@ def make_rollout_actor(model: nn.Module, quant: str, dtype: torch.dtype, fp8_ker
         return quantize_actor(model, quant, fp8_kernel)
     if dtype == torch.float32:
         return model
-    return copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
+    actor = copy.deepcopy(model).eval().requires_grad_(False)
+    for p in actor.parameters():  # parameters only: buffers such as RoPE's inv_freq stay fp32, as engines keep them
+        p.data = p.data.to(dtype)
+    return actor
 
 
 def disable_dropout(model: nn.Module) -> None:

@@ -1242,6 +1242,18 @@ def test_fp8_without_scaled_mm_falls_back_with_notice(monkeypatch, capsys):
     assert _rel_err(q(x) - lin.bias, lin(x) - lin.bias) < 0.05
 
 
+def test_bench_train_and_memory_on_the_tiny_model(tmp_path, capsys):
+    """The GPU check's two training benches, at CPU sizes: they run the real step and write JSON rows."""
+    out = tmp_path / "bench.jsonl"
+    qurl.main(["--bench-train", "--quant", "fp8", "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens",
+               "8", "--bench-runs", "1", "--bench-out", str(out)])
+    qurl.main(["--bench-memory", "--quant", "none", "--bench-batch", "4,8", "--bench-len", "8", "--micro-batch", "2",
+               "--bench-out", str(out)])
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [("step_s" in r, r.get("rows")) for r in rows] == [(True, 8), (True, 4), (True, 8)]
+    assert all(r["device"].startswith("cpu") for r in rows) and rows[0]["tok_s"] > 0 and rows[1]["step_peak_mib"] > 0
+
+
 # ======================================================================================================================
 # Plots
 # ======================================================================================================================
@@ -1294,7 +1306,7 @@ def test_cuda_sample_logprobs_bf16(problems):
 
 
 @CUDA
-@pytest.mark.parametrize("quant", ["fp8", "int8"])
+@pytest.mark.parametrize("quant", ["fp8", "int8", "nf4", "none"])
 def test_cuda_two_step_rl(tmp_path, quant):
     qurl.train(_small_args(tmp_path, run_name="c", quant=quant, device="cuda"))
     rows = [json.loads(l) for l in (tmp_path / "c/metrics.jsonl").read_text().splitlines()]
