@@ -1143,7 +1143,7 @@ def update(rl: Learner, args: Args, ids, am, mask, logp_behav, adv, logp_prox=No
                 if logp_ref is not None:
                     denom = _tbpo_kept(rl, args, ids, am, mask, logp_behav, adv, logp_prox, micro, kw)
             rl.opt.zero_grad(set_to_none=True)
-            parts = []
+            parts, finite = [], True
             for sl in micro:
                 logp = token_logprobs(rl.model, ids[sl], am[sl], mask[sl], T, args.micro_batch)
                 prox = logp.detach() if logp_prox is None else logp_prox[sl]
@@ -1153,6 +1153,7 @@ def update(rl: Learner, args: Args, ids, am, mask, logp_behav, adv, logp_prox=No
                     loss = loss + args.kl_coef * kl
                     lm["loss/kl"] = float(kl.detach())
                 loss.backward()
+                finite &= bool(torch.isfinite(loss.detach()))
                 if logp_prox is None:
                     prox_seen.append(prox)
                 parts.append((lm, float(mask[sl].sum()), float((mask[sl].sum(1) > 0).sum())))
@@ -1164,7 +1165,7 @@ def update(rl: Learner, args: Args, ids, am, mask, logp_behav, adv, logp_prox=No
                     if p.grad is not None:
                         p.grad.div_(kept)
             gnorm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            if math.isfinite(lm["loss/policy"]) and torch.isfinite(gnorm):  # numeric guard: never step on NaN/inf
+            if finite and torch.isfinite(gnorm):  # numeric guard: never step on NaN/inf
                 rl.opt.step()
             else:
                 skipped += 1
