@@ -566,7 +566,7 @@ def w8a8_matmul(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, fmt:
             import bitsandbytes.functional as bnbF
             amax = x2.detach().float().abs().amax(dim=-1, keepdim=True)
             k = torch.exp2(torch.ceil(torch.log2((amax / INT8_X_MAX).clamp(min=1.0))))  # power of 2: exact
-            if bool((k > 1).any()):
+            if not x2.is_cuda and bool((k > 1).any()):  # (a host sync: on CUDA it would stall every decode step)
                 _notice_once("int8-range", f"INT8: activations up to {float(amax.max()):.3g} exceed fp16's range "
                                            f"for bitsandbytes; those tokens are scaled by a power of 2 and back")
             x8, s_x = quantize_int8(x2 / k)
