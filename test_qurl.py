@@ -912,6 +912,13 @@ def test_gradient_accumulation_equals_single_pass(tiny, problems, loss, kl):
         assert m["tbpo/kept"] == 0.5 and m["clip/low"] == 0.25 and m["clip/high"] == 0.25
 
 
+def test_mini_batches_split_exactly():
+    for n, k in ((10, 4), (9, 4), (128, 3), (7, 7)):
+        sizes = [b.stop - b.start for b in qurl._batches(n, k)]
+        assert len(sizes) == k and sum(sizes) == n and max(sizes) - min(sizes) <= 1, (n, k, sizes)
+    assert [b.stop - b.start for b in qurl._batches(3, 4)] == [1, 1, 1]  # fewer rows than mini-batches
+
+
 def test_update_forwards_at_most_micro_batch_rows(tiny, problems):
     import copy
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
