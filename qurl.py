@@ -1,8 +1,8 @@
 """qurl: quantized-rollout reinforcement learning for LLM reasoning, in one file.
 
 RL for reasoning spends most of its time generating rollouts. QuRL generates them with a *quantized* copy of the
-actor (W8A8: INT8 through bitsandbytes, or FP8 e4m3 through torch) and trains the *full-precision* actor. The data
-are then slightly off-policy, so the loss has to know about three policies:
+actor (W8A8: INT8 through bitsandbytes, or FP8 e4m3 through torch; QaRL also W4A16 NF4) and trains the
+*full-precision* actor. The data are then slightly off-policy, so the loss has to know about three policies:
 
     logp_behav  pi_behav  the quantized old actor that sampled the tokens      (recorded by `sample`)
     logp_prox   pi_prox   the full-precision old actor, before this step's update (`token_logprobs`, no grad)
@@ -13,14 +13,38 @@ Decoupled PPO clips the ratio pi_theta/pi_prox and corrects pi_prox/pi_behav wit
 region, and its invariant scaling makes small RL updates survive re-quantization. QaRL trains through the same
 quantizer the sampler uses (`--align-forward`) and replaces the token loss by a sequence-level trust band (TBPO).
 
-Run (CPU, the embedded tiny model, about 4 minutes on 2 cores):
+Where each piece lives (read top to bottom: the method, then Appendix A plumbing, Appendix B tools):
+    GRPO advantage                                  group_advantages
+    naive ratio pi_theta/pi_behav                   policy_loss(loss="naive")
+    decoupled PPO + TIS, w = min(pi_prox/pi_behav, C)   policy_loss(loss="tis")
+    ACR, upper bound (1+eps_high)/min(1, C pi_behav/pi_prox) (QuRL Eq. 9)   policy_loss(loss="acr")
+    TBPO's sequence ratio, weight and trust band (QaRL)   policy_loss(loss="tbpo")
+    k3 KL (mismatch metric, optional KL penalty)    k3, mismatch_metrics, kl_penalty
+    W8A8 FP8 / INT8 and W4A16 NF4                   quantize_fp8, quantize_int8, quantize_nf4, w8a8_matmul, QuantLinear
+    weight sync and flip rate (QuRL's weight-update problem)   sync_weights
+    invariant scaling W x = (W/s)(s x) (QuRL)       invariant_scale
+    rollout-aligned forward (QaRL)                  aligned_linear, rollout_aligned
+    one RL step; gradient accumulation              train_step, update
+
+Where qurl departs from the papers, and why:
+    1. TBPO: the paper does not print every detail. qurl's reading: a geometric-mean sequence ratio, a sequence-level
+       mismatch weight capped at --is-cap, and out-of-band sequences dropped from the loss and its denominator.
+    2. One update per rollout is the default (the tiny model learns best so); there R = 1, so the PPO clip, ACR and
+       TBPO's band never bind (a notice says so). Use --mini-batches > 1 for the papers' regime.
+    3. The rollout actor keeps its non-quantized parts as an fp32 copy run under the learner's autocast, so that the
+       aligned forward reproduces it bit for bit; an inference engine would hold them in bf16.
+    4. Groups whose rewards are all equal are left out of the update (--skip-zero-adv), and the learning rate decays
+       (cosine) by default.
+    5. Evaluation is greedy, of the full-precision actor (the model that is trained and saved).
+
+Run (CPU, the embedded tiny model, about 4.5 minutes on 2 cores):
     python qurl.py --quant fp8
     python qurl.py --quant fp8 --dry-run          # check the config, data and model, then exit
     python qurl.py --bench-rollout --quant fp8    # our sampler vs model.generate, tokens/s
-Run (one GPU, a real Qwen on GSM8K):
+Run (one GPU, a real Qwen on GSM8K; `bash .ci/gpu` is the prepared GPU check):
     python qurl.py --model Qwen/Qwen2.5-0.5B-Instruct --train-data openai/gsm8k --test-data openai/gsm8k \
         --quant fp8 --max-new-tokens 512 --prompts-per-step 32 --group-size 8 --lr 1e-6 --steps 200
-Tests: pytest -q
+Tests: python -m pytest -q
 """
 from __future__ import annotations
 
@@ -61,9 +85,6 @@ def notice(msg: str) -> None:
     print(f"qurl: {msg}", file=sys.stderr, flush=True)
 
 
-# ======================================================================================================================
-# Arguments
-# ======================================================================================================================
 def arg(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
@@ -152,198 +173,9 @@ class Args:
     out: str = arg("assets/runs.png", "output file of --plot")
 
 
-def _parser(defaults: bool = True) -> argparse.ArgumentParser:
-    """argparse generated from the Args dataclass: each field's help is its one-line doc. defaults=False leaves
-    unset flags out of the result (to tell which flags the user typed)."""
-    p = argparse.ArgumentParser(prog="qurl.py", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                argument_default=None if defaults else argparse.SUPPRESS)
-    p.error = lambda msg: _die(f"{msg} (see python qurl.py --help)")  # one line, no usage dump
-    for f in dataclasses.fields(Args):
-        name, meta = "--" + f.name.replace("_", "-"), dict(f.metadata)
-        default = f.default if defaults else argparse.SUPPRESS
-        kind = f.type if isinstance(f.type, str) else str(f.type)
-        if kind == "bool":
-            p.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
-            continue
-        base = {"int": int, "float": float}.get(kind.split(" ")[0], str)
-        p.add_argument(name, type=base, default=default, help=meta["help"], choices=meta.get("choices"),
-                       nargs=meta.get("nargs"))
-    return p
-
-
-def parse_args(argv=None) -> Args:
-    """Parse and validate. With --resume DIR the run's saved args.json is the base and only the flags typed now
-    override it, so `python qurl.py --resume runs/x` continues the run as it was started."""
-    args = Args(**vars(_parser().parse_args(argv)))
-    if args.resume:
-        saved = Path(args.resume) / "args.json"
-        if not saved.is_file():
-            _die(f"--resume {args.resume}: no checkpoint there (not a run folder: {saved} is missing)")
-        names = {f.name for f in dataclasses.fields(Args)}
-        base = {k: v for k, v in json.loads(saved.read_text()).items() if k in names}
-        typed = vars(_parser(defaults=False).parse_args(argv))
-        args = Args(**{**base, **typed})
-    msg = validate_args(args)
-    if msg:
-        _die(msg)
-    for line in flag_notices(args, set(vars(_parser(defaults=False).parse_args(argv)))):
-        notice(line)
-    return args
-
-
-def flag_notices(a: Args, typed: set[str]) -> list[str]:
-    """Flags that do nothing for the chosen loss, and settings that make it equal to a simpler one: one line each."""
-    out = []
-    unused = {"naive": {"is_cap", "tbpo_eps_low", "tbpo_eps_high", "tbpo_eps_high_neg", "tbpo_max_mismatch"},
-              "tis": {"tbpo_eps_low", "tbpo_eps_high", "tbpo_eps_high_neg", "tbpo_max_mismatch"},
-              "tbpo": {"eps_low", "eps_high"}}
-    unused["acr"] = unused["tis"]
-    for name in sorted(unused[a.loss] & typed):
-        out.append(f"--{name.replace('_', '-')} does nothing with --loss {a.loss}")
-    tool = a.dry_run or a.plot or a.bench_rollout or a.bench_quant or a.bench_memory or a.bench_train
-    if a.ppo_epochs * a.mini_batches == 1 and a.loss != "naive" and not tool:
-        what = {"tis": "the PPO clip never binds", "acr": "the PPO clip never binds and ACR equals TIS bit for bit",
-                "tbpo": "no sequence leaves TBPO's band (s = 1)"}[a.loss]
-        out.append(f"with one update per rollout (--ppo-epochs 1 --mini-batches 1) pi_theta = pi_prox at the update, "
-                   f"so R = 1: {what}; use --mini-batches > 1 or --ppo-epochs > 1 to see it act")
-    return out
-
-
-def validate_args(a: Args) -> str | None:
-    """Return a one-line complaint about the first out-of-range value, or None."""
-    checks = [
-        (a.group_size >= 2,
-         f"--group-size must be >= 2 (a GRPO group needs two samples to compare), got {a.group_size}"),
-        (a.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {a.prompts_per_step}"),
-        (a.temperature >= 0, f"--temperature must be >= 0 (0 is greedy), got {a.temperature}"),
-        (0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}"),
-        (0 <= a.eps_low < 1, f"--eps-low must be in [0, 1), got {a.eps_low}"),
-        (a.eps_high >= 0, f"--eps-high must be >= 0, got {a.eps_high}"),
-        (a.is_cap >= 1, f"--is-cap must be >= 1 (it truncates pi_prox/pi_behav; FlashRL uses 2), got {a.is_cap}"),
-        (a.invariant_scale is None or a.invariant_scale > 0,
-         f"--invariant-scale must be > 0 (1 disables it; the paper uses 1.5), got {a.invariant_scale}"),
-        (a.lr > 0, f"--lr must be > 0, got {a.lr}"),
-        (a.kl_coef >= 0, f"--kl-coef must be >= 0, got {a.kl_coef}"),
-        (a.steps >= 0, f"--steps must be >= 0, got {a.steps}"),
-        (a.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {a.max_new_tokens}"),
-        (a.ppo_epochs >= 1 and a.mini_batches >= 1, "--ppo-epochs and --mini-batches must be >= 1"),
-        (a.mini_batches <= a.prompts_per_step * a.group_size, "--mini-batches exceeds the rows of a step"),
-        (a.micro_batch >= 1 and a.eval_batch >= 1, "--micro-batch and --eval-batch must be >= 1"),
-        (a.eval_every >= 1 and a.log_every >= 1 and a.save_every >= 1, "--eval/log/save-every must be >= 1"),
-        (a.eval_size >= 0, f"--eval-size must be >= 0, got {a.eval_size}"),
-        (a.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {a.max_grad_norm}"),
-        (a.max_bad_steps >= 1, "--max-bad-steps must be >= 1"),
-        (a.device in ("auto", "cpu", "cuda") or a.device.startswith("cuda:"), f"--device: unknown '{a.device}'"),
-        (a.dtype != "float16", "--dtype float16 is not supported: fp16 autocast needs loss scaling, which qurl "
-                               "does not do; use bfloat16 (or float32 on a GPU without bf16)"),
-        (a.dtype in ("auto", "float32", "bfloat16"), f"--dtype: unknown '{a.dtype}' (auto, float32 or bfloat16)"),
-        (min(a.tbpo_eps_low, a.tbpo_eps_high, a.tbpo_eps_high_neg) > 0 and a.tbpo_eps_low < 1,
-         "--tbpo-eps-low/-high/-high-neg must be > 0 (and eps-low < 1)"),
-        (a.tbpo_max_mismatch is None or a.tbpo_max_mismatch > 1, "--tbpo-max-mismatch must be > 1"),
-        (a.temperature > 0 or a.steps == 0 or a.dry_run or a.plot or a.bench_quant or a.bench_rollout,
-         "--temperature 0 (greedy) cannot train: a greedy rollout has no distribution to compute a policy gradient "
-         "of; use a temperature > 0 (1.0 is the default)"),
-        (not (a.align_forward and a.quant == "none"), "--align-forward needs a quantizer: add --quant int8, fp8 or "
-                                                      "nf4"),
-        (a.run_name is None or (a.run_name not in ("", ".", "..") and not set(a.run_name) & set("/\\")),
-         f"--run-name must be one folder name inside --out-dir (not empty, no / or \\, not . or ..), "
-         f"got {a.run_name!r}"),
-        (a.bench_len >= 1 and a.bench_runs >= 1, "--bench-len and --bench-runs must be >= 1"),
-        (all(s.strip().isdigit() and int(s) > 0 for s in a.bench_batch.split(",")),
-         f"--bench-batch must be positive integers separated by commas, got '{a.bench_batch}'"),
-    ]
-    return next((msg for ok, msg in checks if not ok), None)
-
-
-def _die(msg: str) -> None:
-    print(f"qurl: error: {msg}", file=sys.stderr)
-    sys.exit(2)
-
-
 # ======================================================================================================================
-# Data and reward
+# THE METHOD, 1: data format and reward (what the verifier checks)
 # ======================================================================================================================
-def load_problems(spec: str, split: str = "train", question_field: str = "question", answer_field: str = "answer",
-                  config: str | None = None) -> list[dict]:
-    """Problems as [{"question": str, "gold": str}] from a local .jsonl/.json/.parquet file or a hub data set.
-
-    .jsonl is read line by line so that an error names the line; .json, .parquet and hub sets go through `datasets`.
-    The gold answer is `extract_answer(answer_field)`: GSM8K's '#### 42', MATH's '\\boxed{42}' or a bare value.
-    """
-    path = Path(spec)
-    local = path.suffix in (".jsonl", ".json", ".parquet") or path.exists() or spec.startswith((".", "/"))
-    if local:
-        if not path.is_file():
-            raise QurlError(f"data file not found: {spec}")
-        if path.suffix == ".jsonl":
-            rows = []
-            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append((f"{spec}:{i}", json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raise QurlError(f"{spec}:{i}: malformed JSON line ({e.msg}); fix or delete that line") from None
-        elif path.suffix in (".json", ".parquet"):
-            try:
-                with _quiet_datasets() as datasets:
-                    ds = datasets.load_dataset("json" if path.suffix == ".json" else "parquet",
-                                               data_files=str(path), split="train")
-            except Exception as e:
-                raise QurlError(f"{spec}: cannot be read as {path.suffix[1:]} ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0][:200]})") from None
-            rows = [(f"{spec} row {i + 1}", r) for i, r in enumerate(ds)]
-        else:
-            raise QurlError(f"{spec}: unknown data format '{path.suffix}'; use .jsonl, .json or .parquet")
-    else:
-        rows = _load_hub_rows(spec, split, config)
-    problems = []
-    for where, r in rows:
-        if not isinstance(r, dict):
-            raise QurlError(f"{where}: expected a JSON object, got {type(r).__name__}")
-        for key in (question_field, answer_field):
-            if key not in r:
-                raise QurlError(f"{where}: missing field '{key}' (has {sorted(r)}); "
-                                f"set --question-field / --answer-field")
-        gold = extract_answer(str(r[answer_field]))
-        if gold is None:
-            raise QurlError(f"{where}: gold answer does not parse: {str(r[answer_field])[-80:]!r}")
-        problems.append({"question": str(r[question_field]), "gold": gold})
-    if not problems:
-        raise QurlError(f"{spec}: no problems found (empty data set)")
-    return problems
-
-
-@contextmanager
-def _quiet_datasets():
-    """`datasets` without progress bars and without its own error log lines: qurl reports a failure in one line."""
-    import datasets
-    datasets.disable_progress_bars()
-    level = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    try:
-        yield datasets
-    finally:
-        datasets.logging.set_verbosity(level)
-
-
-def _load_hub_rows(name: str, split: str, config: str | None):
-    if config is None and name.endswith("gsm8k"):
-        config = "main"
-    try:
-        with _quiet_datasets() as datasets:
-            ds = datasets.load_dataset(name, config, split=split)
-    except Exception as e:
-        text = f"{type(e).__name__}: {e}"
-        if "Offline" in text or "offline" in text or "resolve" in text or "Connection" in text:
-            raise QurlError(f"cannot load hub data set '{name}': no network (offline); pass a local "
-                            f".jsonl/.json/.parquet file, e.g. data/arith_train.jsonl") from None
-        raise QurlError(f"cannot load data set '{name}' (not a local file either): {text.splitlines()[0][:200]}") \
-            from None
-    return [(f"{name}[{split}] row {i + 1}", r) for i, r in enumerate(ds)]
-
-
 SYSTEM_PROMPT = "Solve the problem step by step. Put the final answer, a number only, after '####' on the last line."
 
 
@@ -436,60 +268,7 @@ def reward(completion: str, gold: str) -> float:
 
 
 # ======================================================================================================================
-# Model
-# ======================================================================================================================
-def resolve_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise QurlError("CUDA was requested but torch sees no CUDA device (CPU build or no driver); use --device cpu")
-    dev = torch.device(device)
-    if dtype == "auto":
-        dtype = "bfloat16" if dev.type == "cuda" else "float32"
-        if dev.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
-            dtype = "float32"
-            _notice_once("no-bf16", "this GPU has no bf16 arithmetic: computing in float32")
-    return dev, getattr(torch, dtype)
-
-
-def load_model(name_or_path: str = "data/tiny-qwen", device="cpu", dtype=torch.float32):
-    """(model, tokenizer) through AutoModelForCausalLM / AutoTokenizer; left padding and a pad token are ensured."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    p = Path(name_or_path)
-    if not p.is_dir() and not (HERE / name_or_path).is_dir() and (name_or_path.startswith((".", "/"))
-                                                                    or name_or_path.count("/") != 1):
-        raise QurlError(f"model not found: '{name_or_path}' is not a folder, nor a hub name like Qwen/Qwen2.5-0.5B")
-    if not p.is_dir() and (HERE / name_or_path).is_dir():
-        name_or_path = str(HERE / name_or_path)
-    try:
-        tok = AutoTokenizer.from_pretrained(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
-    except OSError as e:
-        if not Path(name_or_path).is_dir():
-            raise QurlError(f"cannot load '{name_or_path}' from the hub (offline or no such model): use a local "
-                            f"folder such as data/tiny-qwen") from None
-        raise QurlError(f"cannot load model folder '{name_or_path}': {str(e).splitlines()[0][:200]}") from None
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    model.to(device)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    return model, tok
-
-
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """EOS ids: the tokenizer's plus the generation config's (Qwen instruct stops on <|im_end|> too)."""
-    ids = {tokenizer.eos_token_id}
-    g = getattr(model.generation_config, "eos_token_id", None)
-    ids |= set(g if isinstance(g, (list, tuple)) else [g] if g is not None else [])
-    return sorted(i for i in ids if i is not None)
-
-
-# ======================================================================================================================
-# Quantization: W8A8 FP8 (torch) and INT8 (bitsandbytes), weight sync, invariant scaling, rollout-aligned forward
+# THE METHOD, 2: quantization: W8A8 FP8 and INT8, W4A16 NF4, weight sync, invariant scaling, the aligned forward
 # ======================================================================================================================
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT8_X_MAX = 2.0 ** 14  # bitsandbytes takes fp16 activations (max 65504): larger rows are scaled down first, exactly
@@ -785,8 +564,10 @@ def rollout_aligned(model: nn.Module | None, fmt: str | None, fp8_kernel: str = 
 
 
 # ======================================================================================================================
-# Rollout: a batched KV-cache sampler that records the behaviour log-probs
+# THE METHOD, 3: rollout: a batched KV-cache sampler that records the behaviour log-probs
 # ======================================================================================================================
+
+
 @dataclass
 class Rollout:
     input_ids: torch.Tensor       # (B, P+R) left-padded prompt, then the response (pad after the first EOS)
@@ -893,9 +674,19 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
                    truncated=end >= max_new_tokens)
 
 
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """EOS ids: the tokenizer's plus the generation config's (Qwen instruct stops on <|im_end|> too)."""
+    ids = {tokenizer.eos_token_id}
+    g = getattr(model.generation_config, "eos_token_id", None)
+    ids |= set(g if isinstance(g, (list, tuple)) else [g] if g is not None else [])
+    return sorted(i for i in ids if i is not None)
+
+
 # ======================================================================================================================
-# Log-probs: teacher-forced, same temperature scaling as the sampler
+# THE METHOD, 4: log-probs: teacher-forced, same temperature scaling as the sampler
 # ======================================================================================================================
+
+
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
                    temperature: float = 1.0, micro_batch: int = 64) -> torch.Tensor:
     """(B, R) log-probs of the response tokens (the last R columns) under log_softmax(logits / T), in micro-batches;
@@ -916,7 +707,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 
 
 # ======================================================================================================================
-# Advantages and losses
+# THE METHOD, 5: advantages and losses
 # ======================================================================================================================
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps a runaway log-ratio finite before exp
 
@@ -1017,7 +808,7 @@ def mismatch_metrics(logp_prox: torch.Tensor, logp_behav: torch.Tensor, mask: to
 
 
 # ======================================================================================================================
-# One RL step
+# THE METHOD, 6: one RL step
 # ======================================================================================================================
 METRIC_KEYS = ["step", "reward/mean", "reward/zero_std_groups", "rollout/len_mean", "rollout/truncated",
                "rollout/entropy",
@@ -1025,6 +816,8 @@ METRIC_KEYS = ["step", "reward/mean", "reward/zero_std_groups", "rollout/len_mea
                "clip/acr_upper", "loss/policy", "loss/entropy", "loss/kl", "tbpo/kept", "quant/flip_rate",
                "guard/skipped", "opt/lr", "perf/rollout_tok_s", "perf/step_s", "perf/rollout_frac", "eval/acc",
                "eval/pass@k"]
+
+
 UPDATE_KEYS = ("clip/low", "clip/high", "clip/acr_upper", "loss/policy", "loss/entropy", "loss/kl", "tbpo/kept")
 
 
@@ -1201,103 +994,23 @@ def _combine_micro(parts: list[tuple[dict, float, float]]) -> dict:
     return out
 
 
-# ======================================================================================================================
-# Training loop
-# ======================================================================================================================
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
-RUN_MARKER = ".qurl-run"  # written into every run folder at creation: --overwrite deletes only folders that hold it
-
-
-def run_dir_for(args: Args) -> Path:
-    if args.resume:
-        return Path(args.resume)
-    return Path(args.out_dir) / (args.run_name or f"{args.quant}-{args.loss}-s{args.seed}")
-
-
-def is_qurl_run(d: Path) -> bool:
-    """A folder qurl created: it holds the marker (or, for runs made before the marker, args.json + metrics.jsonl)."""
-    return (d / RUN_MARKER).is_file() or ((d / "args.json").is_file() and (d / "metrics.jsonl").is_file())
-
-
-def check_run_dir(args: Args) -> Path:
-    """Every check of the run folder, with no side effect: nothing is created or deleted here, so a run that fails
-    on bad input later in set-up has not yet destroyed anything."""
-    d = run_dir_for(args)
-    if args.resume:
-        if not (d / "ckpt" / "state.pt").is_file() and not (d / "ckpt.old" / "state.pt").is_file():
-            raise QurlError(f"--resume {d}: no checkpoint there (expected {d}/ckpt/state.pt)")
-        return d
-    if d.exists() and not d.is_dir():
-        raise QurlError(f"run folder {d} is a file, not a folder: choose another --run-name or --out-dir")
-    if d.is_dir() and any(d.iterdir()):
-        if not args.overwrite:
-            raise QurlError(f"run folder {d} already exists: pass --resume {d} to continue it, --overwrite to "
-                            f"replace it, or --run-name NAME")
-        if not is_qurl_run(d):
-            held = sorted(p.name for p in d.iterdir())
-            shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
-            raise QurlError(f"--overwrite: {d} is not a qurl run folder (it holds {shown}; no {RUN_MARKER}), so "
-                            f"qurl will not delete it: choose another --run-name or --out-dir")
-    parent = next(p for p in [d, *d.parents] if p.exists())
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise QurlError(f"cannot write to {d} ({parent} is not a writable folder); choose another --out-dir")
-    return d
-
-
-def make_run_dir(d: Path, args: Args) -> None:
-    """Create the run folder (replacing an old qurl run under --overwrite, which check_run_dir allowed) and mark it."""
-    if not args.resume:
-        if d.is_dir() and any(d.iterdir()):
-            assert is_qurl_run(d), d  # check_run_dir refused anything else
-            shutil.rmtree(d)
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            (d / RUN_MARKER).write_text("a qurl run folder: qurl --overwrite may delete it\n")
-        except OSError as e:
-            raise QurlError(f"cannot write to {d} ({e.strerror}); choose another --out-dir") from None
-
-
-def save_checkpoint(d: Path, model, q_model, opt, step: int, data_pos: int, gen: torch.Generator,
-                    args: Args, model_id: dict, extra: dict | None = None) -> None:
-    """Atomic: write ckpt.tmp/, move ckpt/ to ckpt.old/, rename ckpt.tmp/ to ckpt/, delete ckpt.old/.
-    A crash at any point leaves a complete ckpt/ or ckpt.old/."""
-    tmp, cur, old = d / "ckpt.tmp", d / "ckpt", d / "ckpt.old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    state = {"step": step, "data_pos": data_pos, "model": model.state_dict(), "optimizer": opt.state_dict(),
-             "q_model": q_model.state_dict() if q_model is not None else None,
-             "rng_python": random.getstate(), "rng_torch": torch.get_rng_state(), "rng_sampler": gen.get_state(),
-             "args": dataclasses.asdict(args), "model_id": model_id, **(extra or {})}
-    torch.save(state, tmp / "state.pt")
-    if cur.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        cur.rename(old)
-    tmp.rename(cur)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def load_checkpoint(d: Path) -> dict:
-    for sub in ("ckpt", "ckpt.old"):
-        f = d / sub / "state.pt"
-        if f.is_file():
-            return torch.load(f, map_location="cpu", weights_only=False)
-    raise QurlError(f"--resume {d}: no checkpoint there")
-
-
-def _model_id(model) -> dict:
-    c = model.config
-    return {"arch": type(model).__name__, "hidden": c.hidden_size, "layers": c.num_hidden_layers,
-            "vocab": c.vocab_size, "params": sum(p.numel() for p in model.parameters())}
-
-
 def _batches(n_rows: int, n_mb: int) -> list[slice]:
     """n_mb contiguous slices of sizes that differ by at most one (fewer only when n_rows < n_mb)."""
     bounds = [round(i * n_rows / n_mb) for i in range(n_mb + 1)]
     return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def lr_at(step: int, steps: int, lr: float, schedule: str) -> float:
+    """Learning rate of step 1..steps. Cosine decay to 0 makes the last updates small, so the final policy (the one
+    evaluated and saved) is not caught mid-oscillation; TRL's default decays linearly for the same reason."""
+    if schedule == "constant":
+        return lr
+    return 0.5 * lr * (1 + math.cos(math.pi * (step - 1) / max(steps, 1)))
+
+
+# ======================================================================================================================
+# THE METHOD, 7: the training loop and evaluation
+# ======================================================================================================================
 
 
 def train(args: Args) -> dict:
@@ -1439,70 +1152,6 @@ def save_final(path: Path, model, tok, s: float) -> None:
     (path / "qurl.json").write_text(json.dumps({"invariant_scale_folded_back": s, "dtype": "float32"}) + "\n")
 
 
-STOP: set = set()  # the signals received: non-empty once Ctrl-C or SIGTERM asked the loop to stop after this step
-
-
-@contextmanager
-def stop_requests():
-    """Within this block Ctrl-C (SIGINT) and SIGTERM (how clusters and rented GPUs preempt a job) ask the loop to
-    finish the current step, write a checkpoint and exit; a second signal aborts at once. Signals can only be caught
-    in the main thread: elsewhere this is a no-op."""
-    STOP.clear()
-    sigs = (signal.SIGINT, signal.SIGTERM) if _main_thread() else ()
-    old = {sig: signal.signal(sig, _request_stop) for sig in sigs}
-    try:
-        yield STOP
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
-def _request_stop(signum, frame):
-    name = signal.Signals(signum).name
-    if STOP:  # a second signal: stop now, without a checkpoint of this step
-        notice(f"{name} again: aborting now; the last checkpoint written is kept")
-        raise SystemExit(128 + signum)
-    STOP.add(signum)
-    notice(f"{name}: finishing this step, then writing a checkpoint (send it again to abort at once)")
-
-
-def _main_thread() -> bool:
-    import threading
-    return threading.current_thread() is threading.main_thread()
-
-
-def lr_at(step: int, steps: int, lr: float, schedule: str) -> float:
-    """Learning rate of step 1..steps. Cosine decay to 0 makes the last updates small, so the final policy (the one
-    evaluated and saved) is not caught mid-oscillation; TRL's default decays linearly for the same reason."""
-    if schedule == "constant":
-        return lr
-    return 0.5 * lr * (1 + math.cos(math.pi * (step - 1) / max(steps, 1)))
-
-
-def check_prompt_lengths(model, tok, problems: list[dict], max_new_tokens: int) -> None:
-    """Refuse, before anything is written, problems whose prompt + response cannot fit the model's context."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is None:
-        return
-    lens = [len(x) for x in tok([format_prompt(p["question"], tok) for p in problems],
-                                add_special_tokens=False)["input_ids"]]
-    i = max(range(len(lens)), key=lens.__getitem__)
-    if lens[i] + max_new_tokens > limit:
-        raise QurlError(f"problem {i + 1} ({problems[i]['question'][:40]!r}...): prompt of {lens[i]} tokens + "
-                        f"--max-new-tokens {max_new_tokens} exceeds the model's context of {limit}; shorten or "
-                        f"drop long problems, or lower --max-new-tokens")
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop lines logged after the checkpoint we resume from, so they are not written twice."""
-    if path.exists():
-        keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
-        path.write_text("".join(l + "\n" for l in keep))
-
-
-# ======================================================================================================================
-# Evaluation
-# ======================================================================================================================
 @torch.no_grad()
 def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int = 32, batch_size: int = 256, k: int = 0,
              seed: int = 0) -> dict:
@@ -1535,7 +1184,386 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 # ======================================================================================================================
-# Benchmarks, dry run, plots
+# APPENDIX A: plumbing: arguments, data and model loading, run folders, checkpoints and resume, signals
+# ======================================================================================================================
+
+
+def _parser(defaults: bool = True) -> argparse.ArgumentParser:
+    """argparse generated from the Args dataclass: each field's help is its one-line doc. defaults=False leaves
+    unset flags out of the result (to tell which flags the user typed)."""
+    p = argparse.ArgumentParser(prog="qurl.py", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                argument_default=None if defaults else argparse.SUPPRESS)
+    p.error = lambda msg: _die(f"{msg} (see python qurl.py --help)")  # one line, no usage dump
+    for f in dataclasses.fields(Args):
+        name, meta = "--" + f.name.replace("_", "-"), dict(f.metadata)
+        default = f.default if defaults else argparse.SUPPRESS
+        kind = f.type if isinstance(f.type, str) else str(f.type)
+        if kind == "bool":
+            p.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
+            continue
+        base = {"int": int, "float": float}.get(kind.split(" ")[0], str)
+        p.add_argument(name, type=base, default=default, help=meta["help"], choices=meta.get("choices"),
+                       nargs=meta.get("nargs"))
+    return p
+
+
+def parse_args(argv=None) -> Args:
+    """Parse and validate. With --resume DIR the run's saved args.json is the base and only the flags typed now
+    override it, so `python qurl.py --resume runs/x` continues the run as it was started."""
+    args = Args(**vars(_parser().parse_args(argv)))
+    if args.resume:
+        saved = Path(args.resume) / "args.json"
+        if not saved.is_file():
+            _die(f"--resume {args.resume}: no checkpoint there (not a run folder: {saved} is missing)")
+        names = {f.name for f in dataclasses.fields(Args)}
+        base = {k: v for k, v in json.loads(saved.read_text()).items() if k in names}
+        typed = vars(_parser(defaults=False).parse_args(argv))
+        args = Args(**{**base, **typed})
+    msg = validate_args(args)
+    if msg:
+        _die(msg)
+    for line in flag_notices(args, set(vars(_parser(defaults=False).parse_args(argv)))):
+        notice(line)
+    return args
+
+
+def flag_notices(a: Args, typed: set[str]) -> list[str]:
+    """Flags that do nothing for the chosen loss, and settings that make it equal to a simpler one: one line each."""
+    out = []
+    unused = {"naive": {"is_cap", "tbpo_eps_low", "tbpo_eps_high", "tbpo_eps_high_neg", "tbpo_max_mismatch"},
+              "tis": {"tbpo_eps_low", "tbpo_eps_high", "tbpo_eps_high_neg", "tbpo_max_mismatch"},
+              "tbpo": {"eps_low", "eps_high"}}
+    unused["acr"] = unused["tis"]
+    for name in sorted(unused[a.loss] & typed):
+        out.append(f"--{name.replace('_', '-')} does nothing with --loss {a.loss}")
+    tool = a.dry_run or a.plot or a.bench_rollout or a.bench_quant or a.bench_memory or a.bench_train
+    if a.ppo_epochs * a.mini_batches == 1 and a.loss != "naive" and not tool:
+        what = {"tis": "the PPO clip never binds", "acr": "the PPO clip never binds and ACR equals TIS bit for bit",
+                "tbpo": "no sequence leaves TBPO's band (s = 1)"}[a.loss]
+        out.append(f"with one update per rollout (--ppo-epochs 1 --mini-batches 1) pi_theta = pi_prox at the update, "
+                   f"so R = 1: {what}; use --mini-batches > 1 or --ppo-epochs > 1 to see it act")
+    return out
+
+
+def validate_args(a: Args) -> str | None:
+    """Return a one-line complaint about the first out-of-range value, or None."""
+    checks = [
+        (a.group_size >= 2,
+         f"--group-size must be >= 2 (a GRPO group needs two samples to compare), got {a.group_size}"),
+        (a.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {a.prompts_per_step}"),
+        (a.temperature >= 0, f"--temperature must be >= 0 (0 is greedy), got {a.temperature}"),
+        (0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}"),
+        (0 <= a.eps_low < 1, f"--eps-low must be in [0, 1), got {a.eps_low}"),
+        (a.eps_high >= 0, f"--eps-high must be >= 0, got {a.eps_high}"),
+        (a.is_cap >= 1, f"--is-cap must be >= 1 (it truncates pi_prox/pi_behav; FlashRL uses 2), got {a.is_cap}"),
+        (a.invariant_scale is None or a.invariant_scale > 0,
+         f"--invariant-scale must be > 0 (1 disables it; the paper uses 1.5), got {a.invariant_scale}"),
+        (a.lr > 0, f"--lr must be > 0, got {a.lr}"),
+        (a.kl_coef >= 0, f"--kl-coef must be >= 0, got {a.kl_coef}"),
+        (a.steps >= 0, f"--steps must be >= 0, got {a.steps}"),
+        (a.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {a.max_new_tokens}"),
+        (a.ppo_epochs >= 1 and a.mini_batches >= 1, "--ppo-epochs and --mini-batches must be >= 1"),
+        (a.mini_batches <= a.prompts_per_step * a.group_size, "--mini-batches exceeds the rows of a step"),
+        (a.micro_batch >= 1 and a.eval_batch >= 1, "--micro-batch and --eval-batch must be >= 1"),
+        (a.eval_every >= 1 and a.log_every >= 1 and a.save_every >= 1, "--eval/log/save-every must be >= 1"),
+        (a.eval_size >= 0, f"--eval-size must be >= 0, got {a.eval_size}"),
+        (a.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {a.max_grad_norm}"),
+        (a.max_bad_steps >= 1, "--max-bad-steps must be >= 1"),
+        (a.device in ("auto", "cpu", "cuda") or a.device.startswith("cuda:"), f"--device: unknown '{a.device}'"),
+        (a.dtype != "float16", "--dtype float16 is not supported: fp16 autocast needs loss scaling, which qurl "
+                               "does not do; use bfloat16 (or float32 on a GPU without bf16)"),
+        (a.dtype in ("auto", "float32", "bfloat16"), f"--dtype: unknown '{a.dtype}' (auto, float32 or bfloat16)"),
+        (min(a.tbpo_eps_low, a.tbpo_eps_high, a.tbpo_eps_high_neg) > 0 and a.tbpo_eps_low < 1,
+         "--tbpo-eps-low/-high/-high-neg must be > 0 (and eps-low < 1)"),
+        (a.tbpo_max_mismatch is None or a.tbpo_max_mismatch > 1, "--tbpo-max-mismatch must be > 1"),
+        (a.temperature > 0 or a.steps == 0 or a.dry_run or a.plot or a.bench_quant or a.bench_rollout,
+         "--temperature 0 (greedy) cannot train: a greedy rollout has no distribution to compute a policy gradient "
+         "of; use a temperature > 0 (1.0 is the default)"),
+        (not (a.align_forward and a.quant == "none"), "--align-forward needs a quantizer: add --quant int8, fp8 or "
+                                                      "nf4"),
+        (a.run_name is None or (a.run_name not in ("", ".", "..") and not set(a.run_name) & set("/\\")),
+         f"--run-name must be one folder name inside --out-dir (not empty, no / or \\, not . or ..), "
+         f"got {a.run_name!r}"),
+        (a.bench_len >= 1 and a.bench_runs >= 1, "--bench-len and --bench-runs must be >= 1"),
+        (all(s.strip().isdigit() and int(s) > 0 for s in a.bench_batch.split(",")),
+         f"--bench-batch must be positive integers separated by commas, got '{a.bench_batch}'"),
+    ]
+    return next((msg for ok, msg in checks if not ok), None)
+
+
+def _die(msg: str) -> None:
+    print(f"qurl: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def load_problems(spec: str, split: str = "train", question_field: str = "question", answer_field: str = "answer",
+                  config: str | None = None) -> list[dict]:
+    """Problems as [{"question": str, "gold": str}] from a local .jsonl/.json/.parquet file or a hub data set.
+
+    .jsonl is read line by line so that an error names the line; .json, .parquet and hub sets go through `datasets`.
+    The gold answer is `extract_answer(answer_field)`: GSM8K's '#### 42', MATH's '\\boxed{42}' or a bare value.
+    """
+    path = Path(spec)
+    local = path.suffix in (".jsonl", ".json", ".parquet") or path.exists() or spec.startswith((".", "/"))
+    if local:
+        if not path.is_file():
+            raise QurlError(f"data file not found: {spec}")
+        if path.suffix == ".jsonl":
+            rows = []
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append((f"{spec}:{i}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    raise QurlError(f"{spec}:{i}: malformed JSON line ({e.msg}); fix or delete that line") from None
+        elif path.suffix in (".json", ".parquet"):
+            try:
+                with _quiet_datasets() as datasets:
+                    ds = datasets.load_dataset("json" if path.suffix == ".json" else "parquet",
+                                               data_files=str(path), split="train")
+            except Exception as e:
+                raise QurlError(f"{spec}: cannot be read as {path.suffix[1:]} ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0][:200]})") from None
+            rows = [(f"{spec} row {i + 1}", r) for i, r in enumerate(ds)]
+        else:
+            raise QurlError(f"{spec}: unknown data format '{path.suffix}'; use .jsonl, .json or .parquet")
+    else:
+        rows = _load_hub_rows(spec, split, config)
+    problems = []
+    for where, r in rows:
+        if not isinstance(r, dict):
+            raise QurlError(f"{where}: expected a JSON object, got {type(r).__name__}")
+        for key in (question_field, answer_field):
+            if key not in r:
+                raise QurlError(f"{where}: missing field '{key}' (has {sorted(r)}); "
+                                f"set --question-field / --answer-field")
+        gold = extract_answer(str(r[answer_field]))
+        if gold is None:
+            raise QurlError(f"{where}: gold answer does not parse: {str(r[answer_field])[-80:]!r}")
+        problems.append({"question": str(r[question_field]), "gold": gold})
+    if not problems:
+        raise QurlError(f"{spec}: no problems found (empty data set)")
+    return problems
+
+
+@contextmanager
+def _quiet_datasets():
+    """`datasets` without progress bars and without its own error log lines: qurl reports a failure in one line."""
+    import datasets
+    datasets.disable_progress_bars()
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield datasets
+    finally:
+        datasets.logging.set_verbosity(level)
+
+
+def _load_hub_rows(name: str, split: str, config: str | None):
+    if config is None and name.endswith("gsm8k"):
+        config = "main"
+    try:
+        with _quiet_datasets() as datasets:
+            ds = datasets.load_dataset(name, config, split=split)
+    except Exception as e:
+        text = f"{type(e).__name__}: {e}"
+        if "Offline" in text or "offline" in text or "resolve" in text or "Connection" in text:
+            raise QurlError(f"cannot load hub data set '{name}': no network (offline); pass a local "
+                            f".jsonl/.json/.parquet file, e.g. data/arith_train.jsonl") from None
+        raise QurlError(f"cannot load data set '{name}' (not a local file either): {text.splitlines()[0][:200]}") \
+            from None
+    return [(f"{name}[{split}] row {i + 1}", r) for i, r in enumerate(ds)]
+
+
+def resolve_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise QurlError("CUDA was requested but torch sees no CUDA device (CPU build or no driver); use --device cpu")
+    dev = torch.device(device)
+    if dtype == "auto":
+        dtype = "bfloat16" if dev.type == "cuda" else "float32"
+        if dev.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+            dtype = "float32"
+            _notice_once("no-bf16", "this GPU has no bf16 arithmetic: computing in float32")
+    return dev, getattr(torch, dtype)
+
+
+def load_model(name_or_path: str = "data/tiny-qwen", device="cpu", dtype=torch.float32):
+    """(model, tokenizer) through AutoModelForCausalLM / AutoTokenizer; left padding and a pad token are ensured."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    p = Path(name_or_path)
+    if not p.is_dir() and not (HERE / name_or_path).is_dir() and (name_or_path.startswith((".", "/"))
+                                                                    or name_or_path.count("/") != 1):
+        raise QurlError(f"model not found: '{name_or_path}' is not a folder, nor a hub name like Qwen/Qwen2.5-0.5B")
+    if not p.is_dir() and (HERE / name_or_path).is_dir():
+        name_or_path = str(HERE / name_or_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    except OSError as e:
+        if not Path(name_or_path).is_dir():
+            raise QurlError(f"cannot load '{name_or_path}' from the hub (offline or no such model): use a local "
+                            f"folder such as data/tiny-qwen") from None
+        raise QurlError(f"cannot load model folder '{name_or_path}': {str(e).splitlines()[0][:200]}") from None
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model.to(device)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model, tok
+
+
+def check_prompt_lengths(model, tok, problems: list[dict], max_new_tokens: int) -> None:
+    """Refuse, before anything is written, problems whose prompt + response cannot fit the model's context."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is None:
+        return
+    lens = [len(x) for x in tok([format_prompt(p["question"], tok) for p in problems],
+                                add_special_tokens=False)["input_ids"]]
+    i = max(range(len(lens)), key=lens.__getitem__)
+    if lens[i] + max_new_tokens > limit:
+        raise QurlError(f"problem {i + 1} ({problems[i]['question'][:40]!r}...): prompt of {lens[i]} tokens + "
+                        f"--max-new-tokens {max_new_tokens} exceeds the model's context of {limit}; shorten or "
+                        f"drop long problems, or lower --max-new-tokens")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+RUN_MARKER = ".qurl-run"  # written into every run folder at creation: --overwrite deletes only folders that hold it
+
+
+def run_dir_for(args: Args) -> Path:
+    if args.resume:
+        return Path(args.resume)
+    return Path(args.out_dir) / (args.run_name or f"{args.quant}-{args.loss}-s{args.seed}")
+
+
+def is_qurl_run(d: Path) -> bool:
+    """A folder qurl created: it holds the marker (or, for runs made before the marker, args.json + metrics.jsonl)."""
+    return (d / RUN_MARKER).is_file() or ((d / "args.json").is_file() and (d / "metrics.jsonl").is_file())
+
+
+def check_run_dir(args: Args) -> Path:
+    """Every check of the run folder, with no side effect: nothing is created or deleted here, so a run that fails
+    on bad input later in set-up has not yet destroyed anything."""
+    d = run_dir_for(args)
+    if args.resume:
+        if not (d / "ckpt" / "state.pt").is_file() and not (d / "ckpt.old" / "state.pt").is_file():
+            raise QurlError(f"--resume {d}: no checkpoint there (expected {d}/ckpt/state.pt)")
+        return d
+    if d.exists() and not d.is_dir():
+        raise QurlError(f"run folder {d} is a file, not a folder: choose another --run-name or --out-dir")
+    if d.is_dir() and any(d.iterdir()):
+        if not args.overwrite:
+            raise QurlError(f"run folder {d} already exists: pass --resume {d} to continue it, --overwrite to "
+                            f"replace it, or --run-name NAME")
+        if not is_qurl_run(d):
+            held = sorted(p.name for p in d.iterdir())
+            shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+            raise QurlError(f"--overwrite: {d} is not a qurl run folder (it holds {shown}; no {RUN_MARKER}), so "
+                            f"qurl will not delete it: choose another --run-name or --out-dir")
+    parent = next(p for p in [d, *d.parents] if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise QurlError(f"cannot write to {d} ({parent} is not a writable folder); choose another --out-dir")
+    return d
+
+
+def make_run_dir(d: Path, args: Args) -> None:
+    """Create the run folder (replacing an old qurl run under --overwrite, which check_run_dir allowed) and mark it."""
+    if not args.resume:
+        if d.is_dir() and any(d.iterdir()):
+            assert is_qurl_run(d), d  # check_run_dir refused anything else
+            shutil.rmtree(d)
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            (d / RUN_MARKER).write_text("a qurl run folder: qurl --overwrite may delete it\n")
+        except OSError as e:
+            raise QurlError(f"cannot write to {d} ({e.strerror}); choose another --out-dir") from None
+
+
+def save_checkpoint(d: Path, model, q_model, opt, step: int, data_pos: int, gen: torch.Generator,
+                    args: Args, model_id: dict, extra: dict | None = None) -> None:
+    """Atomic: write ckpt.tmp/, move ckpt/ to ckpt.old/, rename ckpt.tmp/ to ckpt/, delete ckpt.old/.
+    A crash at any point leaves a complete ckpt/ or ckpt.old/."""
+    tmp, cur, old = d / "ckpt.tmp", d / "ckpt", d / "ckpt.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    state = {"step": step, "data_pos": data_pos, "model": model.state_dict(), "optimizer": opt.state_dict(),
+             "q_model": q_model.state_dict() if q_model is not None else None,
+             "rng_python": random.getstate(), "rng_torch": torch.get_rng_state(), "rng_sampler": gen.get_state(),
+             "args": dataclasses.asdict(args), "model_id": model_id, **(extra or {})}
+    torch.save(state, tmp / "state.pt")
+    if cur.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        cur.rename(old)
+    tmp.rename(cur)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(d: Path) -> dict:
+    for sub in ("ckpt", "ckpt.old"):
+        f = d / sub / "state.pt"
+        if f.is_file():
+            return torch.load(f, map_location="cpu", weights_only=False)
+    raise QurlError(f"--resume {d}: no checkpoint there")
+
+
+def _model_id(model) -> dict:
+    c = model.config
+    return {"arch": type(model).__name__, "hidden": c.hidden_size, "layers": c.num_hidden_layers,
+            "vocab": c.vocab_size, "params": sum(p.numel() for p in model.parameters())}
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop lines logged after the checkpoint we resume from, so they are not written twice."""
+    if path.exists():
+        keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
+        path.write_text("".join(l + "\n" for l in keep))
+
+
+STOP: set = set()  # the signals received: non-empty once Ctrl-C or SIGTERM asked the loop to stop after this step
+
+
+@contextmanager
+def stop_requests():
+    """Within this block Ctrl-C (SIGINT) and SIGTERM (how clusters and rented GPUs preempt a job) ask the loop to
+    finish the current step, write a checkpoint and exit; a second signal aborts at once. Signals can only be caught
+    in the main thread: elsewhere this is a no-op."""
+    STOP.clear()
+    sigs = (signal.SIGINT, signal.SIGTERM) if _main_thread() else ()
+    old = {sig: signal.signal(sig, _request_stop) for sig in sigs}
+    try:
+        yield STOP
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _request_stop(signum, frame):
+    name = signal.Signals(signum).name
+    if STOP:  # a second signal: stop now, without a checkpoint of this step
+        notice(f"{name} again: aborting now; the last checkpoint written is kept")
+        raise SystemExit(128 + signum)
+    STOP.add(signum)
+    notice(f"{name}: finishing this step, then writing a checkpoint (send it again to abort at once)")
+
+
+def _main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+# ======================================================================================================================
+# APPENDIX B: tools: benchmarks, dry run, plots
 # ======================================================================================================================
 # Published architectures (config.json of each hub model), built with random weights for throughput runs.
 MODEL_CONFIGS = {
@@ -1871,6 +1899,8 @@ def plot_runs(run_dirs: list[str], out: str) -> None:
 # ======================================================================================================================
 # main
 # ======================================================================================================================
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
