@@ -1013,132 +1013,75 @@ def lr_at(step: int, steps: int, lr: float, schedule: str) -> float:
 # ======================================================================================================================
 
 
+@dataclass
+class RunState:
+    """A run's bookkeeping between steps: its folder, data, position, and what it has measured so far."""
+    dir: Path
+    train_set: list[dict]
+    test_set: list[dict]
+    order: list[int]                  # the data order: a permutation of train_set's indices
+    s: float                          # the invariant scale applied to the actor (folded back in final/)
+    step: int = 0                     # the last step finished
+    start_step: int = 0               # the step this process started from (0, or the resumed checkpoint's)
+    data_pos: int = 0                 # problems consumed so far
+    first_eval: float | None = None   # greedy accuracy (and pass@k) of the start
+    first_pass: float | None = None
+    last_eval: float | None = None
+    last_pass: float | None = None
+    skipped: int = 0                  # updates skipped by the numeric guard, and how many in a row
+    bad_in_row: int = 0
+    rollout_s: float = 0.0
+    step_s: float = 0.0
+    t_start: float = 0.0
+
+
 def train(args: Args) -> dict:
-    """sync -> rollout (quantized actor) -> reward -> advantages -> logp_prox (fp actor) -> PPO epochs -> log."""
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
-    seed_everything(args.seed)
-    model, tok = load_model(args.model, device, torch.float32)  # fp32 master weights; forwards run in `dtype`
-    disable_dropout(model)
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    train_set = load_problems(args.train_data, args.train_split, args.question_field, args.answer_field,
-                              args.data_config)
-    test_set = load_problems(args.test_data, args.test_split, args.question_field, args.answer_field,
-                             args.data_config)
-    if args.eval_size:
-        test_set = test_set[:args.eval_size]
-    check_prompt_lengths(model, tok, train_set + test_set, args.max_new_tokens)
-    d = check_run_dir(args)
-    fmt = None if args.quant == "none" else args.quant
-    s = args.invariant_scale if args.invariant_scale is not None else (1.5 if fmt else 1.0)
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    order_gen = torch.Generator().manual_seed(args.seed + 1)
-    ckpt = load_checkpoint(d) if args.resume else None
-    if ckpt is not None and ckpt["model_id"] != _model_id(model):
-        raise QurlError(f"--resume {d}: checkpoint is of a different model ({ckpt['model_id']}) than "
-                        f"--model {args.model} ({_model_id(model)})")
-    if s != 1.0:
-        invariant_scale(model, s)
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None  # the start
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-    actor = make_rollout_actor(model, args.quant, dtype, args.fp8_kernel)
-    q_model = actor if fmt else None   # what a checkpoint keeps of the actor: its codes, for the next flip rate
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    rl = Learner(model, opt, actor, tok, gen, dtype, ref_model)
-    start, data_pos = 0, 0
-    make_run_dir(d, args)  # every check has passed: only now may an old run be replaced
-    if ckpt is not None:
-        opt.load_state_dict(ckpt["optimizer"])
-        if q_model is not None and ckpt["q_model"] is not None:
-            q_model.load_state_dict(ckpt["q_model"])  # so the first flip rate counts from the saved codes
-        start, data_pos = ckpt["step"], ckpt["data_pos"]
-        random.setstate(ckpt["rng_python"])
-        torch.set_rng_state(ckpt["rng_torch"])
-        gen.set_state(ckpt["rng_sampler"])
-        _truncate_metrics(d / "metrics.jsonl", start)
-        notice(f"resumed {d} at step {start}")
-    else:
-        (d / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
-        (d / "metrics.jsonl").write_text("")
-    perm = torch.randperm(len(train_set), generator=order_gen).tolist()
-    model_id = _model_id(model)
-    P = args.prompts_per_step
-
-    def next_problems(pos):
-        return [train_set[perm[(pos + i) % len(perm)]] for i in range(P)]
-
-    def run_eval():
-        model.eval()
-        with autocast(device, dtype):
-            r = evaluate(model, tok, test_set, max_new_tokens=args.max_new_tokens, batch_size=args.eval_batch,
-                         k=args.eval_k, seed=args.seed)
-        model.train()
-        return r
-
-    t_start = time.time()
-    first = run_eval() if start == 0 else {"acc": ckpt.get("first_eval"), "pass": ckpt.get("first_pass")}
-    first_eval, first_pass = first["acc"], first.get(f"pass@{args.eval_k}", first.get("pass"))
-    last_eval, last_pass = first_eval, first_pass
-    if start == 0:
-        at_k = f", pass@{args.eval_k} {first_pass:.3f}" if args.eval_k else ""
-        notice(f"step 0: eval/acc {first_eval:.3f}{at_k} on {len(test_set)} held-out problems")
-    bad_in_row, skipped, rollout_time, step_time = 0, 0, 0.0, 0.0
-    if ckpt is not None:
-        skipped = ckpt.get("skipped", 0)
-
-    def checkpoint(at_step):
-        save_checkpoint(d, model, q_model, opt, at_step, data_pos, gen, args, model_id,
-                        extra={"first_eval": first_eval, "first_pass": first_pass, "skipped": skipped})
-
-    with stop_requests(), open(d / "metrics.jsonl", "a") as metrics_f:
-        for step in range(start + 1, args.steps + 1):
-            for group in opt.param_groups:
+    """The RL loop: train_step after train_step, an evaluation every --eval-every steps, a checkpoint every
+    --save-every steps and on Ctrl-C or SIGTERM. Set-up, checkpoints and the summary are Appendix A's."""
+    rl, run = start_run(args)
+    with stop_requests(), open(run.dir / "metrics.jsonl", "a") as log:
+        for step in range(run.step + 1, args.steps + 1):
+            for group in rl.opt.param_groups:
                 group["lr"] = lr_at(step, args.steps, args.lr, args.lr_schedule)
-            m, t_roll = train_step(rl, args, next_problems(data_pos), step)
-            data_pos += P
-            bad_in_row = bad_in_row + 1 if m["guard/skipped"] else 0
-            skipped += m["guard/skipped"]
-            if bad_in_row >= args.max_bad_steps:
-                raise QurlError(f"{bad_in_row} steps in a row with non-finite losses or gradients (step {step}): "
-                                f"stopped; the last good checkpoint is in {d}/ckpt (try a lower --lr)")
-            m["guard/skipped"] = skipped
-            m["opt/lr"] = opt.param_groups[0]["lr"]
-            rollout_time += t_roll
-            step_time += m["perf/step_s"]
+            problems = [run.train_set[run.order[(run.data_pos + i) % len(run.order)]]
+                        for i in range(args.prompts_per_step)]
+            m, t_roll = train_step(rl, args, problems, step)
+            run.step, run.data_pos = step, run.data_pos + args.prompts_per_step
+            run.bad_in_row = run.bad_in_row + 1 if m["guard/skipped"] else 0
+            run.skipped += m["guard/skipped"]
+            if run.bad_in_row >= args.max_bad_steps:
+                raise QurlError(f"{run.bad_in_row} steps in a row with non-finite losses or gradients (step {step}): "
+                                f"stopped; the last good checkpoint is in {run.dir}/ckpt (try a lower --lr)")
+            m.update({"guard/skipped": run.skipped, "opt/lr": rl.opt.param_groups[0]["lr"]})
+            run.rollout_s, run.step_s = run.rollout_s + t_roll, run.step_s + m["perf/step_s"]
             eval_now = step % args.eval_every == 0 or step == args.steps
             if eval_now:
-                r = run_eval()
-                last_eval, last_pass = r["acc"], r.get(f"pass@{args.eval_k}")
-            m["eval/acc"] = last_eval if eval_now else None
-            m["eval/pass@k"] = last_pass if eval_now else None
-            metrics_f.write(json.dumps(m) + "\n")
-            metrics_f.flush()
+                run.last_eval, run.last_pass = run_eval(rl, args, run)
+            m.update({"eval/acc": run.last_eval if eval_now else None,
+                      "eval/pass@k": run.last_pass if eval_now else None})
+            log.write(json.dumps(m) + "\n")
+            log.flush()
             if step % args.log_every == 0 or step == args.steps:
-                el = time.time() - t_start
-                eta = el / (step - start) * (args.steps - step)
-                ev = f"{last_eval:.3f}" if last_eval is not None else "-"
-                print(f"step {step:4d}/{args.steps} reward {m['reward/mean']:.3f} eval {ev} "
-                      f"kl {m['mismatch/kl']:.1e} flip {m['quant/flip_rate']:.2%} "
-                      f"tok/s {m['perf/rollout_tok_s']:.0f} [{el:.0f}s<{eta:.0f}s]", flush=True)
+                print_progress(run, m, args)
             if STOP:
-                checkpoint(step)
-                notice(f"stopped: checkpoint of step {step} written; continue with: python qurl.py --resume {d}")
+                save_checkpoint(run.dir, checkpoint_state(rl, run, args))
+                notice(f"stopped: checkpoint of step {step} written; continue with: python qurl.py --resume "
+                       f"{run.dir}")
                 raise SystemExit(128 + next(iter(STOP)))  # 130 after Ctrl-C, 143 after SIGTERM
             if step % args.save_every == 0 and step != args.steps:
-                checkpoint(step)
-    checkpoint(args.steps)
-    save_final(d / "final", model, tok, s)
-    wall = time.time() - t_start
-    summary = {"start_eval_acc": first_eval, "final_eval_acc": last_eval, "wall_s": round(wall, 1),
-               "rollout_frac": rollout_time / max(step_time, 1e-9), "steps": args.steps, "skipped_updates": skipped,
-               "invariant_scale": s, "eval_k": args.eval_k, "start_pass_at_k": first_pass,
-               "final_pass_at_k": last_pass}
-    (d / "summary.json").write_text(json.dumps(summary, indent=1))
-    start_txt = f"{first_eval:.3f}" if first_eval is not None else "-"
-    print(f"done: eval/acc {start_txt} -> {last_eval:.3f} in {wall:.0f}s (rollout {summary['rollout_frac']:.0%} "
-          f"of step time); run folder {d}", flush=True)
-    return summary
+                save_checkpoint(run.dir, checkpoint_state(rl, run, args))
+    save_checkpoint(run.dir, checkpoint_state(rl, run, args))
+    return finish_run(rl, run, args)
+
+
+def run_eval(rl: Learner, args: Args, run: RunState) -> tuple[float, float | None]:
+    """Greedy held-out accuracy of the fp actor (and pass@k with --eval-k), in the learner's compute dtype."""
+    rl.model.eval()
+    with autocast(rl.gen.device, rl.dtype):
+        r = evaluate(rl.model, rl.tok, run.test_set, max_new_tokens=args.max_new_tokens, batch_size=args.eval_batch,
+                     k=args.eval_k, seed=args.seed)
+    rl.model.train()
+    return r["acc"], r.get(f"pass@{args.eval_k}")
 
 
 def save_final(path: Path, model, tok, s: float) -> None:
@@ -1490,17 +1433,105 @@ def make_run_dir(d: Path, args: Args) -> None:
             raise QurlError(f"cannot write to {d} ({e.strerror}); choose another --out-dir") from None
 
 
-def save_checkpoint(d: Path, model, q_model, opt, step: int, data_pos: int, gen: torch.Generator,
-                    args: Args, model_id: dict, extra: dict | None = None) -> None:
+def start_run(args: Args) -> tuple[Learner, RunState]:
+    """Everything before the first step: load and check the model, the data and the run folder; build the learner
+    (fp32 masters, invariant scaling, the KL reference, the rollout actor, AdamW); then create the run folder, or
+    resume it, and evaluate the start. Nothing is written or deleted before every check has passed."""
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    seed_everything(args.seed)
+    model, tok = load_model(args.model, device, torch.float32)  # fp32 master weights; forwards run in `dtype`
+    disable_dropout(model)
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    load = lambda spec, split: load_problems(spec, split, args.question_field, args.answer_field,  # noqa: E731
+                                             args.data_config)
+    train_set, test_set = load(args.train_data, args.train_split), load(args.test_data, args.test_split)
+    test_set = test_set[:args.eval_size] if args.eval_size else test_set
+    check_prompt_lengths(model, tok, train_set + test_set, args.max_new_tokens)
+    d = check_run_dir(args)
+    ckpt = load_checkpoint(d) if args.resume else None
+    if ckpt is not None and ckpt["model_id"] != _model_id(model):
+        raise QurlError(f"--resume {d}: checkpoint is of a different model ({ckpt['model_id']}) than "
+                        f"--model {args.model} ({_model_id(model)})")
+    s = args.invariant_scale if args.invariant_scale is not None else (1.0 if args.quant == "none" else 1.5)
+    if s != 1.0:
+        invariant_scale(model, s)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None  # the start
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+    actor = make_rollout_actor(model, args.quant, dtype, args.fp8_kernel)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    rl = Learner(model, opt, actor, tok, torch.Generator(device=device).manual_seed(args.seed), dtype, ref_model)
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.seed + 1)).tolist()
+    run = RunState(d, train_set, test_set, order, s)
+    make_run_dir(d, args)  # every check has passed: only now may an old run be replaced
+    if ckpt is not None:
+        resume_from(rl, run, ckpt)
+    else:
+        (d / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
+        (d / "metrics.jsonl").write_text("")
+    run.start_step, run.t_start = run.step, time.time()
+    if ckpt is None:
+        run.first_eval, run.first_pass = run_eval(rl, args, run)
+        at_k = f", pass@{args.eval_k} {run.first_pass:.3f}" if args.eval_k else ""
+        notice(f"step 0: eval/acc {run.first_eval:.3f}{at_k} on {len(test_set)} held-out problems")
+    run.last_eval, run.last_pass = run.first_eval, run.first_pass
+    return rl, run
+
+
+def checkpoint_state(rl: Learner, run: RunState, args: Args) -> dict:
+    """Everything a run resumes from, as one dict: weights, optimizer, the rollout actor's codes (so that the next
+    flip rate counts from them), position, random states, args and the start's evaluation."""
+    quantized = any(isinstance(m, QuantLinear) for m in rl.actor.modules())
+    return {"step": run.step, "data_pos": run.data_pos, "model": rl.model.state_dict(),
+            "optimizer": rl.opt.state_dict(), "q_model": rl.actor.state_dict() if quantized else None,
+            "rng_python": random.getstate(), "rng_torch": torch.get_rng_state(), "rng_sampler": rl.gen.get_state(),
+            "args": dataclasses.asdict(args), "model_id": _model_id(rl.model), "first_eval": run.first_eval,
+            "first_pass": run.first_pass, "skipped": run.skipped}
+
+
+def resume_from(rl: Learner, run: RunState, ckpt: dict) -> None:
+    rl.opt.load_state_dict(ckpt["optimizer"])
+    if ckpt["q_model"] is not None and rl.actor is not rl.model:
+        rl.actor.load_state_dict(ckpt["q_model"])
+    run.step, run.data_pos, run.skipped = ckpt["step"], ckpt["data_pos"], ckpt.get("skipped", 0)
+    run.first_eval, run.first_pass = ckpt.get("first_eval"), ckpt.get("first_pass")
+    random.setstate(ckpt["rng_python"])
+    torch.set_rng_state(ckpt["rng_torch"])
+    rl.gen.set_state(ckpt["rng_sampler"])
+    _truncate_metrics(run.dir / "metrics.jsonl", run.step)
+    notice(f"resumed {run.dir} at step {run.step}")
+
+
+def print_progress(run: RunState, m: dict, args: Args) -> None:
+    el = time.time() - run.t_start
+    eta = el / max(run.step - run.start_step, 1) * (args.steps - run.step)
+    ev = f"{run.last_eval:.3f}" if run.last_eval is not None else "-"
+    print(f"step {run.step:4d}/{args.steps} reward {m['reward/mean']:.3f} eval {ev} kl {m['mismatch/kl']:.1e} "
+          f"flip {m['quant/flip_rate']:.2%} tok/s {m['perf/rollout_tok_s']:.0f} [{el:.0f}s<{eta:.0f}s]", flush=True)
+
+
+def finish_run(rl: Learner, run: RunState, args: Args) -> dict:
+    """final/ (a standard checkpoint), summary.json and the closing line."""
+    save_final(run.dir / "final", rl.model, rl.tok, run.s)
+    wall = time.time() - run.t_start
+    summary = {"start_eval_acc": run.first_eval, "final_eval_acc": run.last_eval, "wall_s": round(wall, 1),
+               "rollout_frac": run.rollout_s / max(run.step_s, 1e-9), "steps": args.steps,
+               "skipped_updates": run.skipped, "invariant_scale": run.s, "eval_k": args.eval_k,
+               "start_pass_at_k": run.first_pass, "final_pass_at_k": run.last_pass}
+    (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    start_txt = f"{run.first_eval:.3f}" if run.first_eval is not None else "-"
+    print(f"done: eval/acc {start_txt} -> {run.last_eval:.3f} in {wall:.0f}s (rollout {summary['rollout_frac']:.0%} "
+          f"of step time); run folder {run.dir}", flush=True)
+    return summary
+
+
+def save_checkpoint(d: Path, state: dict) -> None:
     """Atomic: write ckpt.tmp/, move ckpt/ to ckpt.old/, rename ckpt.tmp/ to ckpt/, delete ckpt.old/.
     A crash at any point leaves a complete ckpt/ or ckpt.old/."""
     tmp, cur, old = d / "ckpt.tmp", d / "ckpt", d / "ckpt.old"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    state = {"step": step, "data_pos": data_pos, "model": model.state_dict(), "optimizer": opt.state_dict(),
-             "q_model": q_model.state_dict() if q_model is not None else None,
-             "rng_python": random.getstate(), "rng_torch": torch.get_rng_state(), "rng_sampler": gen.get_state(),
-             "args": dataclasses.asdict(args), "model_id": model_id, **(extra or {})}
     torch.save(state, tmp / "state.pt")
     if cur.exists():
         shutil.rmtree(old, ignore_errors=True)
