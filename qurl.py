@@ -520,9 +520,11 @@ def invariant_scale(model: nn.Module, s: float) -> None:
 
 
 def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Per-row quantize-dequantize in the sampler's format, straight-through gradient: the value is quantized, the
-    gradient is the identity."""
-    if fmt == "fp8":
+    """Quantize-dequantize in the sampler's format (per row for fp8/int8, NF4 blocks of 64 for nf4 weights),
+    straight-through gradient: the value is quantized, the gradient is the identity."""
+    if fmt == "nf4":
+        deq = dequantize_nf4(*quantize_nf4(x))
+    elif fmt == "fp8":
         q, s = quantize_fp8(x.reshape(-1, x.shape[-1]))
         deq = q.float() * s[:, None]
     else:
@@ -532,21 +534,13 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def aligned_linear(lin: nn.Linear, fmt: str, x: torch.Tensor, fp8_kernel: str = "auto") -> torch.Tensor:
-    """QaRL's rollout-aligned linear: the value is the sampler's own kernel on the codes of the current weights (so
-    pi_prox equals pi_behav in any dtype), the gradient is the straight-through fake-quant path's."""
-    if fmt == "nf4":  # W4A16: the sampler's dequantized weights, straight-through to the fp weights
-        with torch.no_grad():
-            deq = dequantize_nf4(*quantize_nf4(lin.weight)).to(lin.weight.dtype)
-        return F.linear(x, deq + (lin.weight - lin.weight.detach()), lin.bias)
-    x2 = x.reshape(-1, lin.in_features)
+    """QaRL's rollout-aligned linear: the value is the sampler's own layer (QuantLinear) on the codes of the current
+    weights, so pi_prox equals pi_behav in any dtype; the gradient is the straight-through fake-quant path's."""
     with torch.no_grad():
-        w_q, w_scale = quantize_fp8(lin.weight) if fmt == "fp8" else quantize_int8(lin.weight)
-        kernel = "bnb" if fmt == "int8" else fp8_kernel_for(x.device, tuple(lin.weight.shape), fp8_kernel)
-        w_deq = w_q.float() * w_scale.float()[:, None] if kernel == "emulate" and not x.is_cuda else None
-        value = w8a8_matmul(x2, w_q, w_scale.float(), fmt, kernel, w_deq).to(out_dtype_for(x))
-    ste = F.linear(fake_quant(x2, fmt), fake_quant(lin.weight, fmt))   # carries the gradient only
-    y = (value + (ste - ste.detach())).reshape(*x.shape[:-1], lin.out_features)   # exactly value, grad of ste
-    return y if lin.bias is None else y + lin.bias.to(y.dtype)
+        value = QuantLinear(lin, fmt, fp8_kernel)(x)
+    x_q = x if fmt == "nf4" else fake_quant(x, fmt)          # W4A16 leaves activations alone
+    ste = F.linear(x_q, fake_quant(lin.weight, fmt), lin.bias)   # carries the gradient only
+    return value + (ste - ste.detach())                      # exactly the value, the gradient of ste
 
 
 @contextmanager
@@ -853,15 +847,18 @@ def make_rollout_actor(model: nn.Module, quant: str, dtype: torch.dtype, fp8_ker
     return actor
 
 
-def disable_dropout(model: nn.Module) -> None:
+def prepare_actor(model: nn.Module, grad_checkpointing: bool = False) -> None:
     """The learner's forwards run in train mode (gradient checkpointing needs it). With dropout pi_prox and pi_theta
-    would be noisy estimates of the same policy, so every dropout probability is set to 0."""
+    would be noisy estimates of the same policy, so every dropout probability is set to 0. Optionally, transformers'
+    gradient checkpointing (activations recomputed in backward)."""
     for mod in model.modules():
         if isinstance(mod, nn.Dropout):
             mod.p = 0.0
         for name in ("attention_dropout", "dropout"):   # transformers' attention modules keep a float
             if isinstance(getattr(mod, name, None), float):
                 setattr(mod, name, 0.0)
+    if grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def train_step(rl: Learner, args: Args, problems: list[dict], step: int, reward_fn=None,
@@ -884,7 +881,8 @@ def train_step(rl: Learner, args: Args, problems: list[dict], step: int, reward_
     n_tok = float(ro.response_mask.sum())
     m.update({"reward/mean": float(rewards.mean()), "reward/zero_std_groups": zero_groups,
               "rollout/len_mean": n_tok / len(ro.texts), "rollout/truncated": float(ro.truncated.float().mean())})
-    trained = rewards.view(-1, G).std(1).repeat_interleave(G) > 0 if args.skip_zero_adv else rewards == rewards
+    trained = (rewards.view(-1, G).std(1).repeat_interleave(G) > 0 if args.skip_zero_adv
+               else torch.ones(len(rewards), dtype=torch.bool))
     dev = ro.input_ids.device
     rows, rest = trained.nonzero().squeeze(1).to(dev), (~trained).nonzero().squeeze(1).to(dev)
     one_update = args.ppo_epochs * args.mini_batches == 1
@@ -1108,8 +1106,8 @@ def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int = 32, b
         ro = sample(model, tokenizer, prompts, n=1, max_new_tokens=max_new_tokens, temperature=0.0)
         correct += sum(reward(t, p["gold"]) for t, p in zip(ro.texts, chunk))
         length += float(ro.response_mask.sum())
-        per = max(1, batch_size // k) if k else len(chunk)   # problems per sampled batch of about batch_size rows
-        for j in range(0, len(chunk) if k else 0, per):
+        per = max(1, batch_size // k) if k else 1   # problems per sampled batch of about batch_size rows
+        for j in range(0, len(chunk), per) if k else []:
             sub = chunk[j:j + per]
             ro = sample(model, tokenizer, prompts[j:j + per], n=k, max_new_tokens=max_new_tokens, temperature=1.0,
                         generator=gen)
@@ -1440,9 +1438,7 @@ def start_run(args: Args) -> tuple[Learner, RunState]:
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     seed_everything(args.seed)
     model, tok = load_model(args.model, device, torch.float32)  # fp32 master weights; forwards run in `dtype`
-    disable_dropout(model)
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prepare_actor(model, args.grad_checkpointing)
     load = lambda spec, split: load_problems(spec, split, args.question_field, args.answer_field,  # noqa: E731
                                              args.data_config)
     train_set, test_set = load(args.train_data, args.train_split), load(args.test_data, args.test_split)
@@ -1766,14 +1762,8 @@ def _proc_status_kb(key: str) -> int:
 
 def _bench_learner(args: Args, device, dtype):
     """A learner at bench sizes: --model-config with random weights (fp32 masters), or --model."""
-    if args.model_config:
-        model = build_from_config(args.model_config, device, torch.float32).train()
-        tok = load_model(str(HERE / "data/tiny-qwen"), "cpu", torch.float32)[1]
-    else:
-        model, tok = load_model(args.model, device, torch.float32)
-    disable_dropout(model)
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model, tok = _bench_model(args, device, torch.float32)
+    prepare_actor(model.train(), args.grad_checkpointing)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-7)
     actor = make_rollout_actor(model, args.quant, dtype, args.fp8_kernel)
     return Learner(model, opt, actor, tok, torch.Generator(device=device).manual_seed(args.seed), dtype)
@@ -1821,7 +1811,8 @@ def bench_train(args: Args) -> list[dict]:
     coin = random.Random(args.seed)
     times, tok_s, held = [], [], 0.0
     for step in range(args.bench_runs + 1):
-        held = _peak_reset(device) if step == 1 else held
+        if step == 1:  # after the warm-up
+            held = _peak_reset(device)
         m, _ = train_step(rl, args, problems, step, reward_fn=lambda text, gold: float(coin.random() < 0.5),
                           ignore_eos=True)
         if step:
