@@ -14,17 +14,17 @@ region, and its invariant scaling makes small RL updates survive re-quantization
 quantizer the sampler uses (`--align-forward`) and replaces the token loss by a sequence-level trust band (TBPO).
 
 Where each piece lives (read top to bottom: the method, then Appendix A plumbing, Appendix B tools):
-    GRPO advantage                                  group_advantages
-    naive ratio pi_theta/pi_behav                   policy_loss(loss="naive")
-    decoupled PPO + TIS, w = min(pi_prox/pi_behav, C)   policy_loss(loss="tis")
+    GRPO advantage                                                          group_advantages
+    naive ratio pi_theta/pi_behav                                           policy_loss(loss="naive")
+    decoupled PPO + TIS, w = min(pi_prox/pi_behav, C) (QuRL Eq. 5)          policy_loss(loss="tis")
     ACR, upper bound (1+eps_high)/min(1, C pi_behav/pi_prox) (QuRL Eq. 9)   policy_loss(loss="acr")
-    TBPO's sequence ratio, weight and trust band (QaRL)   policy_loss(loss="tbpo")
-    k3 KL (mismatch metric, optional KL penalty)    k3, mismatch_metrics, kl_penalty
+    TBPO's sequence ratio, weight and trust band (QaRL)                     policy_loss(loss="tbpo")
+    k3 KL (mismatch metric, optional KL penalty)                            k3, mismatch_metrics, kl_penalty
     W8A8 FP8 / INT8 and W4A16 NF4                   quantize_fp8, quantize_int8, quantize_nf4, w8a8_matmul, QuantLinear
-    weight sync and flip rate (QuRL's weight-update problem)   sync_weights
-    invariant scaling W x = (W/s)(s x) (QuRL)       invariant_scale
-    rollout-aligned forward (QaRL)                  aligned_linear, rollout_aligned
-    one RL step; gradient accumulation              train_step, update
+    weight sync and flip rate (QuRL's weight-update problem)                sync_weights
+    invariant scaling W x = (W/s)(s x) (QuRL Eq. 11-12)                     invariant_scale
+    rollout-aligned forward (QaRL)                                          aligned_linear, rollout_aligned
+    one RL step; gradient accumulation                                      train_step, update
 
 Where qurl departs from the papers, and why:
     1. TBPO: the paper does not print every detail. qurl's reading: a geometric-mean sequence ratio, a sequence-level
@@ -42,27 +42,14 @@ Run (CPU, the embedded tiny model, about 4.5 minutes on 2 cores):
     python qurl.py --quant fp8 --dry-run          # check the config, data and model, then exit
     python qurl.py --bench-rollout --quant fp8    # our sampler vs model.generate, tokens/s
 Run (one GPU, a real Qwen on GSM8K; `bash .ci/gpu` is the prepared GPU check):
-    python qurl.py --model Qwen/Qwen2.5-0.5B-Instruct --train-data openai/gsm8k --test-data openai/gsm8k \
+    python qurl.py --model Qwen/Qwen2.5-0.5B-Instruct --train-data openai/gsm8k --test-data openai/gsm8k \\
         --quant fp8 --max-new-tokens 512 --prompts-per-step 32 --group-size 8 --lr 1e-6 --steps 200
 Tests: python -m pytest -q
 """
 from __future__ import annotations
 
-import argparse
-import copy
-import dataclasses
-import json
-import logging
-import math
-import os
-import random
-import re
-import shutil
-import signal
-import sys
-import time
-import contextlib
-from contextlib import contextmanager
+import argparse, contextlib, copy, dataclasses, json, logging, math, os, random, re, shutil, signal, sys, time
+import warnings
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -73,8 +60,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-# bitsandbytes logs at import that an optional 4-bit CPU kernel package is absent; qurl uses no 4-bit op
-logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its import-time note on an optional CPU 4-bit package
 
 
 class QurlError(Exception):
@@ -101,19 +87,16 @@ class Args:
     question_field: str = arg("question", "field holding the problem text")
     answer_field: str = arg("answer", "field holding the gold answer ('#### 42', '\\boxed{42}' or a bare value)")
     # quantized rollout
-    quant: str = arg("fp8", "rollout actor precision: W8A8 int8 or fp8, W4A16 nf4",
-                     choices=["none", "int8", "fp8", "nf4"])
-    fp8_kernel: str = arg("auto", "FP8 matmul: torch._scaled_mm, dequantize-and-matmul emulation, or auto "
-                                  "(_scaled_mm on CUDA >= 8.9, emulation on CPU, where it is faster)",
-                          choices=["auto", "scaled_mm", "emulate"])
+    quant: str = arg("fp8", "rollout actor precision: W8A8 int8/fp8, W4A16 nf4", choices=["none", "int8", "fp8", "nf4"])
+    fp8_kernel: str = arg("auto", "FP8 matmul: torch._scaled_mm, dequantize-and-matmul emulation, or auto (_scaled_mm "
+                                  "on CUDA >= 8.9, else emulation)", choices=["auto", "scaled_mm", "emulate"])
     invariant_scale: float | None = arg(None, "QuRL invariant scaling s (default 1.5 with a quantized actor, else 1)")
     align_forward: bool = arg(False, "QaRL: train through the sampler's quantizer (fake-quant, straight-through)")
     # objective
     loss: str = arg("acr", "policy objective", choices=["naive", "tis", "acr", "tbpo"])
     eps_low: float = arg(0.2, "PPO lower clip: ratio >= 1 - eps_low")
     eps_high: float = arg(0.28, "PPO upper clip: ratio <= 1 + eps_high (DAPO clip-higher)")
-    is_cap: float = arg(2.0, "truncation C of the importance weight pi_prox/pi_behav (token losses) or of the "
-                             "sequence weight w_i (tbpo)")
+    is_cap: float = arg(2.0, "truncation C of pi_prox/pi_behav (token losses) or of the sequence weight w_i (tbpo)")
     tbpo_eps_low: float = arg(3e-4, "TBPO: lower edge of the band, s_i >= 1 - eps")
     tbpo_eps_high: float = arg(4e-4, "TBPO: upper edge for A >= 0, s_i <= 1 + eps")
     tbpo_eps_high_neg: float = arg(7e-4, "TBPO: upper edge of the trust band for A < 0, s_i <= 1 + eps")
@@ -128,44 +111,38 @@ class Args:
     top_p: float = arg(1.0, "nucleus sampling; < 1 biases the importance ratio (warned)")
     # optimisation
     lr: float = arg(1e-4, "AdamW learning rate")
-    lr_schedule: str = arg("cosine", "learning rate over the run: constant, or cosine decay from --lr to 0 at --steps",
-                           choices=["constant", "cosine"])
+    lr_schedule: str = arg("cosine", "constant, or cosine decay to 0 at --steps", choices=["constant", "cosine"])
     ppo_epochs: int = arg(1, "passes over each rollout batch")
     mini_batches: int = arg(1, "optimizer steps per pass (the batch is split into this many mini-batches)")
     max_grad_norm: float = arg(1.0, "gradient clipping norm")
-    skip_zero_adv: bool = arg(True, "leave groups whose rewards are all equal (zero advantage, no gradient) out of "
-                                    "the update: saves their compute; token means are then over the other rows")
+    skip_zero_adv: bool = arg(True, "leave groups whose rewards are all equal (no gradient) out of the update")
     micro_batch: int = arg(64, "rows per forward and backward (gradient accumulation): sets memory, not the math")
-    grad_checkpointing: bool = arg(False, "recompute activations in backward (transformers' gradient "
-                                          "checkpointing): less memory, about 1/3 more compute")
+    grad_checkpointing: bool = arg(False, "recompute activations in backward: less memory, about 1/3 more compute")
     # evaluation, logging, checkpoints
     eval_every: int = arg(100, "evaluate the fp actor (greedy) every N steps, and at the end")
     eval_size: int = arg(500, "held-out problems per evaluation (0: all)")
     eval_batch: int = arg(256, "rows per evaluation batch")
-    eval_k: int = arg(0, "also log eval/pass@k from k samples per problem at T = 1 (0: off; 8 costs about 8 greedy "
-                         "evaluations)")
+    eval_k: int = arg(0, "also log eval/pass@k from k samples per problem at T = 1 (0: off; costs ~k evaluations)")
     log_every: int = arg(10, "print a progress line every N steps")
-    save_every: int = arg(50, "write a checkpoint every N steps (and on Ctrl-C)")
+    save_every: int = arg(50, "write a checkpoint every N steps (and on Ctrl-C or SIGTERM)")
     max_bad_steps: int = arg(3, "stop after this many non-finite updates in a row")
     seed: int = arg(1, "seeds python, torch, the data order and the sampler")
     device: str = arg("auto", "cpu, cuda or auto")
-    dtype: str = arg("auto", "compute dtype of the forwards: auto (bf16 on cuda, fp32 on cpu), float32 or "
-                             "bfloat16; master weights and optimizer state are always fp32")
+    dtype: str = arg("auto", "compute dtype of the forwards: auto (bf16 on cuda, fp32 on cpu), float32 or bfloat16")
     out_dir: str = arg("runs", "where runs/<run-name>/ is written")
     run_name: str | None = arg(None, "run folder name (default: <quant>-<loss>-s<seed>)")
     resume: str | None = arg(None, "continue the run in this folder from its checkpoint")
-    overwrite: bool = arg(False, "replace an existing run folder")
+    overwrite: bool = arg(False, "replace an existing run folder (only one qurl created)")
+    track: str | None = arg(None, "also log the metrics to wandb or tensorboard (installed separately)",
+                            choices=["wandb", "tensorboard"])
     # other modes
     dry_run: bool = arg(False, "print the resolved config, model size, data and one prompt, then exit")
     bench_rollout: bool = arg(False, "benchmark sample() against model.generate and exit")
-    bench_quant: bool = arg(False, "benchmark rollout tokens/s for none/int8/fp8 (fixed length) and exit")
-    bench_memory: bool = arg(False, "peak memory of a step's update against its rows (--bench-batch) at a fixed "
-                                    "--micro-batch, random rollouts of --bench-len tokens, and exit")
-    bench_train: bool = arg(False, "seconds and peak memory per RL step at the real sizes (--model-config: random "
-                                   "weights, EOS ignored, random rewards), --bench-runs steps, and exit")
+    bench_quant: bool = arg(False, "benchmark rollout tokens/s for none/int8/fp8/nf4 (EOS ignored) and exit")
+    bench_memory: bool = arg(False, "peak memory of a step's update against its rows (--bench-batch) and exit")
+    bench_train: bool = arg(False, "seconds and peak memory per RL step at the real sizes (random rewards) and exit")
     bench_out: str | None = arg(None, "also append each bench row as a JSON line to this file")
-    model_config: str | None = arg(None, "bench a published architecture with random weights instead of --model: "
-                                         "qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen3-0.6b or qwen2-h512-l8")
+    model_config: str | None = arg(None, "bench a published architecture with random weights instead of --model")
     bench_batch: str = arg("128", "bench batch sizes, comma separated (rows = prompts x group)")
     bench_len: int = arg(32, "bench response length")
     bench_runs: int = arg(5, "bench repetitions (the median is reported)")
@@ -173,9 +150,7 @@ class Args:
     out: str = arg("assets/runs.png", "output file of --plot")
 
 
-# ======================================================================================================================
-# THE METHOD, 1: data format and reward (what the verifier checks)
-# ======================================================================================================================
+# ============================================ THE METHOD, 1: data format and reward (what the verifier checks) =========
 SYSTEM_PROMPT = "Solve the problem step by step. Put the final answer, a number only, after '####' on the last line."
 
 
@@ -198,53 +173,43 @@ def _last_number(text: str) -> str | None:
 def _boxed(text: str) -> str | None:
     """Content of the last \\boxed{...}, braces balanced."""
     start = text.rfind("\\boxed")
-    if start < 0:
-        return None
-    i = text.find("{", start)
-    if i < 0:
-        return None
-    depth, j = 0, i
-    while j < len(text):
+    i = text.find("{", start) if start >= 0 else -1
+    depth = 0
+    for j in range(i, len(text)) if i >= 0 else ():
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return text[i + 1:j]
-        j += 1
     return None
 
 
 def _normalize(ans: str) -> str:
     """'$1,234.50' -> '1234.5', '\\frac{3}{4}' -> '3/4', '-12 apples' -> '-12'; non-numeric text -> lowercased."""
-    s = ans.strip().replace("\\!", "").replace("$", "").replace("\\%", "").replace("%", "")
-    s = re.sub(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", s)
-    s = re.sub(r"\\text\{([^{}]*)\}", r"\1", s).replace("−", "-")
-    m = re.fullmatch(r"\s*\(?(-?[\d,]*\.?\d+)\)?\s*/\s*\(?(\d+)\)?\s*", s)
-    num = (m.group(1) + "/" + m.group(2)) if m else _last_number(s) if re.search(r"\d", s) else None
+    text = ans.strip().replace("\\!", "").replace("$", "").replace("\\%", "").replace("%", "")
+    text = re.sub(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", text)
+    text = re.sub(r"\\text\{([^{}]*)\}", r"\1", text).replace("−", "-")
+    frac = re.fullmatch(r"\s*\(?(-?[\d,]*\.?\d+)\)?\s*/\s*\(?(\d+)\)?\s*", text)
+    num = (frac.group(1) + "/" + frac.group(2)) if frac else _last_number(text) if re.search(r"\d", text) else None
     if num is None:
-        return re.sub(r"\s+", " ", s).strip().strip(".").lower()
+        return re.sub(r"\s+", " ", text).strip().strip(".").lower()
     num = num.replace(",", "").replace(" ", "")
-    try:
-        value = Fraction(num)
-    except (ValueError, ZeroDivisionError):
+    value = _as_number(num)
+    if value is None:
         return num
     if value.denominator == 1:
         return str(value.numerator)
-    dec = float(value)
-    return (f"{value.numerator}/{value.denominator}" if "/" in num else repr(dec).rstrip("0").rstrip("."))
+    return f"{value.numerator}/{value.denominator}" if "/" in num else repr(float(value)).rstrip("0").rstrip(".")
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer of a completion: '#### 42', then '\\boxed{42}', then 'the answer is 42', else the last
-    number."""
+    """The final answer: '#### 42', then '\\boxed{42}', then 'the answer is 42', else the last number."""
     if "####" in text:
         tail = text.rsplit("####", 1)[1].strip().split("\n")[0]
         return _normalize(tail) if tail else None
     boxed = _boxed(text)
     if boxed is not None and boxed.strip():
         return _normalize(boxed)
-    m = re.search(r"answer is[:\s]*\$?\s*(-?[\d,]*\.?\d+(?:\s*/\s*\d+)?)", text, flags=re.IGNORECASE)
-    if m:
-        return _normalize(m.group(1))
-    last = _last_number(text)
+    said = re.search(r"answer is[:\s]*\$?\s*(-?[\d,]*\.?\d+(?:\s*/\s*\d+)?)", text, flags=re.IGNORECASE)
+    last = said.group(1) if said else _last_number(text)
     return _normalize(last) if last is not None else None
 
 
@@ -261,17 +226,14 @@ def reward(completion: str, gold: str) -> float:
     if pred is None:
         return 0.0
     gold = _normalize(gold)
-    a, b = _as_number(pred), _as_number(gold)
-    if a is not None and b is not None:
-        return float(a == b)
-    return float(pred == gold)
+    pred_num, gold_num = _as_number(pred), _as_number(gold)
+    return float(pred_num == gold_num) if pred_num is not None and gold_num is not None else float(pred == gold)
 
 
-# ======================================================================================================================
-# THE METHOD, 2: quantization: W8A8 FP8 and INT8, W4A16 NF4, weight sync, invariant scaling, the aligned forward
-# ======================================================================================================================
+# ============================================ THE METHOD, 2: quantization: W8A8 FP8/INT8, W4A16 NF4, sync, scaling ====
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT8_X_MAX = 2.0 ** 14  # bitsandbytes takes fp16 activations (max 65504): larger rows are scaled down first, exactly
+NF4_BLOCK = 64  # weights per absmax block (QLoRA's NF4 and QaRL's W4A16)
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,9 +253,6 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x8, absmax
 
 
-NF4_BLOCK = 64  # weights per absmax block (QLoRA's NF4 and QaRL's W4A16)
-
-
 def quantize_nf4(w: torch.Tensor):
     """Weight-only NF4 (bitsandbytes, QLoRA's 4-bit NormalFloat): blocks of 64 weights scaled by their absmax, each
     weight the nearest of 16 normal-quantile levels. Returns (packed codes, two per byte, and bnb's QuantState)."""
@@ -301,37 +260,21 @@ def quantize_nf4(w: torch.Tensor):
     return bnbF.quantize_4bit(w.detach().float().contiguous(), blocksize=NF4_BLOCK, quant_type="nf4")
 
 
-def dequantize_nf4(packed: torch.Tensor, state) -> torch.Tensor:
-    import bitsandbytes.functional as bnbF
-    return bnbF.dequantize_4bit(packed, state)
+def quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """Weights in the sampler's format: (codes, fp32 scales: per row for fp8/int8, per block for nf4, nf4 state)."""
+    if fmt == "nf4":
+        q, state = quantize_nf4(w)
+        return q, state.absmax.float(), state
+    q, scale = quantize_fp8(w) if fmt == "fp8" else quantize_int8(w)
+    return q, scale.float(), None
 
 
-def fp8_kernel_for(device: torch.device, shape: tuple[int, int], prefer: str = "auto") -> str:
-    """'scaled_mm' where torch._scaled_mm runs (CUDA with compute capability >= 8.9; CPU on request) and the dims are
-    multiples of 16, else 'emulate': dequantize-and-matmul with the same numerics (an A100, odd shapes, and CPU by
-    default, where a matmul on weights dequantized once is faster than CPU _scaled_mm)."""
-    if prefer == "emulate" or shape[0] % 16 or shape[1] % 16 or not hasattr(torch, "_scaled_mm"):
-        return "emulate"
-    if device.type == "cpu" and prefer == "auto":
-        return "emulate"
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        return "emulate"
-    return "scaled_mm"
-
-
-_NOTICED: set[str] = set()
-
-
-def _notice_once(key: str, msg: str) -> None:
-    if key not in _NOTICED:
-        _NOTICED.add(key)
-        notice(msg)
-
-
-def out_dtype_for(x: torch.Tensor) -> torch.dtype:
-    """The dtype a linear returns here: the autocast dtype inside torch.autocast, else the input's."""
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+def dequantize(q: torch.Tensor, scale: torch.Tensor, state, fmt: str) -> torch.Tensor:
+    """fp32 values of `quantize`'s codes: code * scale (int8: * absmax / 127), or bitsandbytes' NF4 dequantize."""
+    if fmt == "nf4":
+        import bitsandbytes.functional as bnbF
+        return bnbF.dequantize_4bit(q, state)
+    return q.float() * (scale[:, None] if fmt == "fp8" else scale[:, None] / 127.0)
 
 
 def w8a8_matmul(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, fmt: str, kernel: str,
@@ -346,8 +289,8 @@ def w8a8_matmul(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, fmt:
             amax = x2.detach().float().abs().amax(dim=-1, keepdim=True)
             k = torch.exp2(torch.ceil(torch.log2((amax / INT8_X_MAX).clamp(min=1.0))))  # power of 2: exact
             if not x2.is_cuda and bool((k > 1).any()):  # (a host sync: on CUDA it would stall every decode step)
-                _notice_once("int8-range", f"INT8: activations up to {float(amax.max()):.3g} exceed fp16's range "
-                                           f"for bitsandbytes; those tokens are scaled by a power of 2 and back")
+                warnings.warn(f"INT8: activations up to {float(amax.max()):.3g} exceed fp16's range for "
+                              f"bitsandbytes; those tokens are scaled by a power of 2 and back")
             x8, s_x = quantize_int8(x2 / k)
             acc = bnbF.int8_linear_matmul(x8, w_q)                             # int32 = x8 @ w8^T
             return bnbF.int8_mm_dequant(acc, s_x, w_scale).float() * k         # * absmax_x*absmax_w/127^2
@@ -358,8 +301,8 @@ def w8a8_matmul(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, fmt:
                 return torch._scaled_mm(x8, w_q.t(), scale_a=s_x, scale_b=w_scale[None, :], out_dtype=torch.bfloat16
                                         if x2.is_cuda else torch.float32).float()
             except (RuntimeError, ValueError) as e:  # a build or device that refuses row-wise scales
-                _notice_once("fp8-runtime", f"FP8: torch._scaled_mm refused this call ({str(e)[:80]}); using "
-                                            f"dequantize-and-matmul with the same numerics")
+                warnings.warn(f"FP8: torch._scaled_mm refused this call ({str(e)[:80]}); using dequantize-and-matmul "
+                              f"with the same numerics")
         if w_deq is not None:           # CPU: weights dequantized once per sync, scales applied before the sum
             return F.linear(x8.float() * s_x, w_deq)
         if x2.is_cuda:                  # no FP8 tensor cores (A100): bf16 holds every e4m3 code exactly
@@ -381,27 +324,25 @@ class QuantLinear(nn.Module):
         self.register_buffer("weight_q", torch.empty(0, dtype=torch.uint8, device=w.device))
         self.register_buffer("weight_scale", torch.empty(0, dtype=torch.float32, device=w.device))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        self.kernel = {"int8": "bnb", "nf4": "bnb-nf4"}.get(fmt) or fp8_kernel_for(w.device, tuple(w.shape),
-                                                                                   fp8_kernel)
+        # FP8 kernel: torch._scaled_mm where it runs (CUDA compute capability >= 8.9, or CPU on request, dims multiples
+        # of 16), else dequantize-and-matmul with the same numerics (CPU's default: faster there than _scaled_mm)
+        wanted = fp8_kernel == "scaled_mm" or (fp8_kernel == "auto" and w.device.type == "cuda")
+        runs = hasattr(torch, "_scaled_mm") and not (w.shape[0] % 16 or w.shape[1] % 16) and (
+            w.device.type != "cuda" or torch.cuda.get_device_capability(w.device) >= (8, 9))
+        self.kernel = {"int8": "bnb", "nf4": "bnb-nf4"}.get(fmt) or ("scaled_mm" if wanted and runs else "emulate")
+        if fmt == "fp8" and wanted and not runs:
+            warnings.warn("FP8: torch._scaled_mm is unavailable here (it needs CPU or CUDA compute capability >= 8.9, "
+                          "and dims that are multiples of 16); using dequantize-and-matmul, same numerics (slower)")
         self.nf4_state = None
         # CPU keeps the dequantized weights (4 more bytes per weight, not counted by quant_bytes): CPU runs are
         # demonstrations, and dequantizing at every call would cost more than the matmul.
         self.register_buffer("weight_deq", None, persistent=False)
-        wanted_mm = fp8_kernel == "scaled_mm" or (fp8_kernel == "auto" and w.device.type != "cpu")
-        if fmt == "fp8" and self.kernel == "emulate" and wanted_mm:
-            _notice_once("fp8-fallback", "FP8: torch._scaled_mm is unavailable here (it needs CPU or CUDA compute "
-                                         "capability >= 8.9, and dims that are multiples of 16); using "
-                                         "dequantize-and-matmul with the same numerics (slower)")
         self.load_weight(w)
 
     @torch.no_grad()
     def load_weight(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> int:
         """Re-quantize from full-precision weights; returns how many weight codes (8- or 4-bit) changed."""
-        if self.fmt == "nf4":
-            q, self.nf4_state = quantize_nf4(w)
-            s = self.nf4_state.absmax
-        else:
-            q, s = quantize_fp8(w) if self.fmt == "fp8" else quantize_int8(w)
+        q, scale, self.nf4_state = quantize(w, self.fmt)
         old, new = self.weight_q.view(torch.uint8).flatten(), q.view(torch.uint8).flatten()
         if old.shape != new.shape:
             changed = w.numel()
@@ -410,20 +351,21 @@ class QuantLinear(nn.Module):
             changed = int(((diff & 0x0F) != 0).sum() + ((diff & 0xF0) != 0).sum())
         else:
             changed = int((old != new).sum())
-        self.weight_q, self.weight_scale = q, s.float()
-        if q.device.type == "cpu" and self.kernel in ("emulate", "bnb-nf4"):
-            self.weight_deq = (dequantize_nf4(q, self.nf4_state) if self.fmt == "nf4"
-                               else q.float() * self.weight_scale[:, None])  # exact codes times their scales, fp32
+        self.weight_q, self.weight_scale = q, scale
+        if q.device.type == "cpu" and self.kernel in ("emulate", "bnb-nf4"):  # exact codes times their scales, fp32
+            self.weight_deq = dequantize(q, scale, self.nf4_state, self.fmt)
         if bias is not None:
             self.bias.copy_(bias)
         return changed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "nf4":  # W4A16: the dequantized weights meet activations in the compute dtype (autocast)
-            w = self.weight_deq if self.weight_deq is not None else dequantize_nf4(self.weight_q, self.nf4_state)
+            w = self.weight_deq if self.weight_deq is not None else dequantize(self.weight_q, None, self.nf4_state, "nf4")
             return F.linear(x, w, self.bias)
+        dev = x.device.type  # a linear returns the autocast dtype inside torch.autocast, else the input's
+        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         y = w8a8_matmul(x.reshape(-1, self.in_features), self.weight_q, self.weight_scale, self.fmt, self.kernel,
-                        self.weight_deq).to(out_dtype_for(x))
+                        self.weight_deq).to(out_dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -439,8 +381,7 @@ def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def quantize_actor(model: nn.Module, fmt: str, fp8_kernel: str = "auto") -> nn.Module:
-    """A frozen copy of the model whose decoder-layer linears are QuantLinear (W8A8 int8/fp8: 1 byte per weight;
-    W4A16 nf4: half a byte)."""
+    """A frozen copy of the model whose decoder-layer linears are QuantLinear (W8A8: 1 byte per weight, W4A16: 1/2)."""
     if fmt in ("int8", "nf4"):
         _require_bnb(fmt)
     q_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -448,19 +389,6 @@ def quantize_actor(model: nn.Module, fmt: str, fp8_kernel: str = "auto") -> nn.M
         parent, _, child = name.rpartition(".")
         setattr(q_model.get_submodule(parent), child, QuantLinear(lin, fmt, fp8_kernel))
     return q_model
-
-
-def _require_bnb(fmt: str = "int8") -> None:
-    try:
-        import bitsandbytes
-    except ImportError:
-        raise QurlError(f"--quant {fmt} needs bitsandbytes >= 0.46 (pip install 'bitsandbytes>=0.46'); "
-                        f"or use --quant fp8") from None
-    major, minor = (int(v) for v in bitsandbytes.__version__.split(".")[:2])
-    if (major, minor) < (0, 46):
-        raise QurlError(f"--quant {fmt} needs bitsandbytes >= 0.46 for its CPU ops, found {bitsandbytes.__version__}"
-                        f" (pip install -U bitsandbytes); or use --quant fp8")
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 def quant_bytes(q_model: nn.Module) -> tuple[int, int]:
@@ -473,7 +401,7 @@ def quant_bytes(q_model: nn.Module) -> tuple[int, int]:
 @torch.no_grad()
 def sync_weights(q_model: nn.Module, model: nn.Module) -> float:
     """Quantized actor <- fp actor: re-quantize every QuantLinear, copy everything else. Returns the flip rate, the
-    fraction of 8-bit weight codes that changed (QuRL's weight-update problem: tiny updates often flip none)."""
+    fraction of weight codes that changed (QuRL's weight-update problem: tiny updates often flip none)."""
     if q_model is model:  # fp32 with --quant none: the sampler is the actor itself
         return 0.0
     fp = dict(model.named_modules())
@@ -493,43 +421,31 @@ _NORMS = ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwe
 
 @torch.no_grad()
 def invariant_scale(model: nn.Module, s: float) -> None:
-    """QuRL's update-aware rescale, once before RL: W x = (W / s)(s x). q/k/v and gate/up weights are divided by s,
-    the RMSNorm weights feeding them multiplied by s. The fp function is unchanged; the weights' quantization step
-    shrinks by s while an Adam update keeps its size, so s times more updates survive re-quantization."""
+    """QuRL's update-aware rescale (Eq. 11-12), once before RL: W x = (W / s)(s x). q/k/v and gate/up weights are
+    divided by s, the RMSNorm weights feeding them multiplied by s. The fp function is unchanged; the quantization
+    step shrinks by s while an Adam update keeps its size, so s times more updates survive re-quantization."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise QurlError(f"invariant_scale: {type(model).__name__} has no model.layers; it supports Qwen2, Qwen3 "
                         f"and Llama-style decoders. Use --invariant-scale 1")
-    for layer in layers:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        groups = [("input_layernorm", attn, ("q_proj", "k_proj", "v_proj")),
-                  ("post_attention_layernorm", mlp, ("gate_proj", "up_proj"))]
-        for norm_name, block, projs in groups:
-            norm = getattr(layer, norm_name, None)
-            if (norm is None or type(norm).__name__ not in _NORMS or block is None
-                    or not all(isinstance(getattr(block, p, None), nn.Linear) for p in projs)):
-                raise QurlError(f"invariant_scale: layer {type(layer).__name__} is not a recognised pre-norm "
-                                f"(RMSNorm -> {'/'.join(projs)}) layer; supported: Qwen2, Qwen3, Llama. "
-                                f"Use --invariant-scale 1")
-    for layer in layers:
-        for norm_name, block, projs in [("input_layernorm", layer.self_attn, ("q_proj", "k_proj", "v_proj")),
-                                        ("post_attention_layernorm", layer.mlp, ("gate_proj", "up_proj"))]:
-            getattr(layer, norm_name).weight.mul_(s)   # s x   (RMSNorm output is linear in its weight)
-            for p in projs:
-                getattr(block, p).weight.div_(s)        # W / s (bias unchanged: (W/s)(s x) + b = W x + b)
+    groups = [(layer, norm, block, projs) for layer in layers for norm, block, projs in
+              [("input_layernorm", getattr(layer, "self_attn", None), ("q_proj", "k_proj", "v_proj")),
+               ("post_attention_layernorm", getattr(layer, "mlp", None), ("gate_proj", "up_proj"))]]
+    for layer, norm, block, projs in groups:  # check every layer before changing any
+        if (type(getattr(layer, norm, None)).__name__ not in _NORMS or block is None
+                or not all(isinstance(getattr(block, p, None), nn.Linear) for p in projs)):
+            raise QurlError(f"invariant_scale: layer {type(layer).__name__} is not a recognised pre-norm (RMSNorm -> "
+                            f"{'/'.join(projs)}) layer; supported: Qwen2, Qwen3, Llama. Use --invariant-scale 1")
+    for layer, norm, block, projs in groups:
+        getattr(layer, norm).weight.mul_(s)   # s x   (RMSNorm output is linear in its weight)
+        for p in projs:
+            getattr(block, p).weight.div_(s)  # W / s (bias unchanged: (W/s)(s x) + b = W x + b)
 
 
 def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """Quantize-dequantize in the sampler's format (per row for fp8/int8, NF4 blocks of 64 for nf4 weights),
     straight-through gradient: the value is quantized, the gradient is the identity."""
-    if fmt == "nf4":
-        deq = dequantize_nf4(*quantize_nf4(x))
-    elif fmt == "fp8":
-        q, s = quantize_fp8(x.reshape(-1, x.shape[-1]))
-        deq = q.float() * s[:, None]
-    else:
-        q, absmax = quantize_int8(x.reshape(-1, x.shape[-1]))
-        deq = q.float() * (absmax.float()[:, None] / 127.0)
+    deq = dequantize(*quantize(x if fmt == "nf4" else x.reshape(-1, x.shape[-1]), fmt), fmt)
     return x + (deq.reshape(x.shape).to(x.dtype) - x).detach()
 
 
@@ -538,14 +454,14 @@ def aligned_linear(lin: nn.Linear, fmt: str, x: torch.Tensor, fp8_kernel: str = 
     weights, so pi_prox equals pi_behav in any dtype; the gradient is the straight-through fake-quant path's."""
     with torch.no_grad():
         value = QuantLinear(lin, fmt, fp8_kernel)(x)
-    x_q = x if fmt == "nf4" else fake_quant(x, fmt)          # W4A16 leaves activations alone
+    x_q = x if fmt == "nf4" else fake_quant(x, fmt)              # W4A16 leaves activations alone
     ste = F.linear(x_q, fake_quant(lin.weight, fmt), lin.bias)   # carries the gradient only
-    return value + (ste - ste.detach())                      # exactly the value, the gradient of ste
+    return value + (ste - ste.detach())                          # exactly the value, the gradient of ste
 
 
-@contextmanager
+@contextlib.contextmanager
 def rollout_aligned(model: nn.Module | None, fmt: str | None, fp8_kernel: str = "auto"):
-    """Within this block the model's decoder linears compute in the sampler's W8A8 numerics (`aligned_linear`), with
+    """Within this block the model's decoder linears compute in the sampler's numerics (`aligned_linear`), with
     straight-through gradients to the full-precision weights. fmt or model None: a no-op."""
     lins = [m for _, m in decoder_linears(model)] if fmt and model is not None else []
     for lin in lins:
@@ -557,11 +473,7 @@ def rollout_aligned(model: nn.Module | None, fmt: str | None, fp8_kernel: str = 
             del lin.forward
 
 
-# ======================================================================================================================
-# THE METHOD, 3: rollout: a batched KV-cache sampler that records the behaviour log-probs
-# ======================================================================================================================
-
-
+# ============================================ THE METHOD, 3: rollout: a KV-cache sampler recording logp_behav ==========
 @dataclass
 class Rollout:
     input_ids: torch.Tensor       # (B, P+R) left-padded prompt, then the response (pad after the first EOS)
@@ -584,12 +496,10 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> 
         tok = torch.multinomial(probs, 1, generator=generator)
         return tok.squeeze(-1), probs.gather(-1, tok).log().squeeze(-1)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_lp, idx = logp.sort(dim=-1, descending=True)
-        drop = sorted_lp.exp().cumsum(-1) - sorted_lp.exp() >= top_p   # keep the smallest set with mass >= top_p
-        sorted_lp = sorted_lp.masked_fill(drop, -math.inf)
-        logp = torch.full_like(logp, -math.inf).scatter(-1, idx, sorted_lp)
-        logp = torch.log_softmax(logp, dim=-1)
+    sorted_lp, idx = logp.sort(dim=-1, descending=True)
+    drop = sorted_lp.exp().cumsum(-1) - sorted_lp.exp() >= top_p   # keep the smallest set with mass >= top_p
+    logp = torch.full_like(logp, -math.inf).scatter(-1, idx, sorted_lp.masked_fill(drop, -math.inf))
+    logp = torch.log_softmax(logp, dim=-1)
     tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
@@ -598,32 +508,26 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> 
 def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
            top_p: float = 1.0, generator: torch.Generator | None = None, ignore_eos: bool = False,
            drop_frac: float = 0.25) -> Rollout:
-    """n samples of each prompt, one token per step for the whole batch with a KV cache.
-
-    Each distinct prompt is prefilled once and its cache expanded to its n samples. Finished rows are dropped from
-    the batch (cache included) once at least `drop_frac` of the live rows are done, so they stop costing compute.
-    Positions come from the cumulative attention mask, so left padding does not shift RoPE.
-    """
+    """n samples of each prompt, one token per step for the whole batch with a KV cache. Each distinct prompt is
+    prefilled once and its cache expanded to its n samples. Finished rows leave the batch (cache included) once at
+    least `drop_frac` of the live rows are done. Positions come from the cumulative attention mask, so left padding
+    does not shift RoPE."""
     from transformers import DynamicCache
-    if top_p < 1.0:
-        _notice_once("top-p", "top_p < 1 truncates the sampler's distribution; the training side uses the full "
-                              "softmax, so the importance ratio pi_prox/pi_behav is biased")
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False, padding_side="left")
     ids, am = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     P, B = ids.shape[1], len(prompts) * n
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and int(am.sum(-1).max()) + max_new_tokens > limit:
-        raise QurlError(f"prompt of {int(am.sum(-1).max())} tokens + {max_new_tokens} new tokens exceeds the model's "
-                        f"context of {limit}; shorten the prompts or lower --max-new-tokens")
+        raise ValueError(f"prompt of {int(am.sum(-1).max())} tokens + {max_new_tokens} new tokens exceeds the model's "
+                         f"context of {limit}")
     stops = torch.tensor(stop_token_ids(model, tokenizer), device=device)
     pad = tokenizer.pad_token_id
     cache = DynamicCache(config=model.config)
     pos = (am.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=am, position_ids=pos, cache=cache, use_cache=True,
                    logits_to_keep=1).logits[:, -1]
-    # expand each prompt's cache to its n samples: rows [i*n, (i+1)*n) belong to prompt i
-    cache.batch_repeat_interleave(n)
+    cache.batch_repeat_interleave(n)  # rows [i*n, (i+1)*n) are prompt i's samples
     logits, am = logits.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
     next_pos = am.sum(-1)                                              # position of the next token
     tokens = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)
@@ -631,12 +535,12 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
     end = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)   # index of the first EOS
     live = torch.arange(B, device=device)                              # batch row -> output row
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    steps_run, sync_every = 0, 1 if device.type == "cpu" else 8
+    R, sync_every = 0, 1 if device.type == "cpu" else 8
     for t in range(max_new_tokens):
         tok, lp = _pick(logits, temperature, top_p, generator)
         tok = torch.where(done, pad, tok)
         tokens[live, t], logp_out[live, t] = tok, lp
-        steps_run = t + 1
+        R = t + 1
         if not ignore_eos:
             fin = torch.isin(tok, stops) & ~done
             end[live] = torch.where(fin, t, end[live])
@@ -655,32 +559,24 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
         logits = model(input_ids=tok[:, None], attention_mask=am, position_ids=next_pos[:, None], cache=cache,
                        use_cache=True).logits[:, -1]
         next_pos = next_pos + 1
-    R = steps_run
-    tokens, logp_out = tokens[:, :R], logp_out[:, :R]
     response_mask = (torch.arange(R, device=device)[None, :] <= end[:, None]).float()
-    tokens = tokens.masked_fill(response_mask == 0, pad)
-    logp_out = logp_out * response_mask
+    tokens = tokens[:, :R].masked_fill(response_mask == 0, pad)
     full_am = torch.cat([enc["attention_mask"].to(device).repeat_interleave(n, 0), torch.ones_like(tokens)], dim=1)
     texts = tokenizer.batch_decode([row[m.bool()].tolist() for row, m in zip(tokens, response_mask)],
                                    skip_special_tokens=True)
     return Rollout(input_ids=torch.cat([ids.repeat_interleave(n, 0), tokens], dim=1), attention_mask=full_am,
-                   response_mask=response_mask, logp_behav=logp_out, prompt_len=P, texts=texts,
-                   truncated=end >= max_new_tokens)
+                   response_mask=response_mask, logp_behav=logp_out[:, :R] * response_mask, prompt_len=P,
+                   texts=texts, truncated=end >= max_new_tokens)
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
     """EOS ids: the tokenizer's plus the generation config's (Qwen instruct stops on <|im_end|> too)."""
-    ids = {tokenizer.eos_token_id}
     g = getattr(model.generation_config, "eos_token_id", None)
-    ids |= set(g if isinstance(g, (list, tuple)) else [g] if g is not None else [])
+    ids = {tokenizer.eos_token_id, *(g if isinstance(g, (list, tuple)) else [g])}
     return sorted(i for i in ids if i is not None)
 
 
-# ======================================================================================================================
-# THE METHOD, 4: log-probs: teacher-forced, same temperature scaling as the sampler
-# ======================================================================================================================
-
-
+# ============================================ THE METHOD, 4: log-probs: teacher-forced, same temperature ===============
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
                    temperature: float = 1.0, micro_batch: int = 64) -> torch.Tensor:
     """(B, R) log-probs of the response tokens (the last R columns) under log_softmax(logits / T), in micro-batches;
@@ -700,16 +596,14 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return torch.cat(out) * response_mask
 
 
-# ======================================================================================================================
-# THE METHOD, 5: advantages and losses
-# ======================================================================================================================
+# ============================================ THE METHOD, 5: advantages and losses ====================================
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps a runaway log-ratio finite before exp
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of x over the positions where mask is 1 (all of them, or along dim); 0 where the mask is empty."""
-    s = (x * mask).sum() if dim is None else (x * mask).sum(dim)
-    return s / (mask.sum() if dim is None else mask.sum(dim)).clamp(min=1.0)
+    total = (x * mask).sum() if dim is None else (x * mask).sum(dim)
+    return total / (mask.sum() if dim is None else mask.sum(dim)).clamp(min=1.0)
 
 
 def k3(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -746,15 +640,15 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.T
     if loss == "tbpo":
         lo, hi_pos, hi_neg = tbpo_eps
         live = mask.sum(1) > 0
-        log_s = masked_mean(logp - logp_prox, mask, dim=1)  # QaRL TBPO: s_i = exp(mean_t log pi_theta/pi_prox) (GSPO)
-        s = log_s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()     # a geometric mean, not a sum (TRL #5814)
+        log_ratio = masked_mean(logp - logp_prox, mask, dim=1)  # QaRL TBPO: s_i = exp(mean_t log pi_theta/pi_prox)
+        ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # s_i, a geometric mean (GSPO; TRL #5814)
         log_w_seq = masked_mean(log_w, mask, dim=1)                  # w_i = exp(mean_t log pi_prox/pi_behav)
         w_hat = log_w_seq.exp().clamp(max=is_cap)                    # w_hat_i = min(w_i, C), no grad
-        pos = torch.minimum(s * adv, s.clamp(1 - lo, 1 + hi_pos) * adv)   # A >= 0: PPO clip [1-eps_lo, 1+eps_hi+]
-        neg = s.clamp(1 - lo, 1 + hi_neg) * adv                           # A < 0: the trust band [1-eps_lo, 1+eps_hi-]
-        sd = s.detach()
-        below = (adv < 0) & (sd < 1 - lo)
-        above = torch.where(adv >= 0, sd > 1 + hi_pos, sd > 1 + hi_neg)
+        pos = torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi_pos) * adv)  # A >= 0: PPO clip [1-eps, 1+eps_hi+]
+        neg = ratio.clamp(1 - lo, 1 + hi_neg) * adv                             # A < 0: the band [1-eps, 1+eps_hi-]
+        rd = ratio.detach()
+        below = (adv < 0) & (rd < 1 - lo)
+        above = torch.where(adv >= 0, rd > 1 + hi_pos, rd > 1 + hi_neg)
         keep = live & ~below & ~above                                # out of band: out of the loss and its denominator
         if tbpo_max_mismatch is not None:                            # optional: drop w_i outside [1/M, M]
             keep &= log_w_seq.abs() <= math.log(tbpo_max_mismatch)
@@ -770,19 +664,19 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.T
         w, upper = torch.ones_like(ratio), torch.full_like(ratio, 1 + eps_high)
     else:
         ratio = (logp - logp_prox).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()   # R = pi_theta / pi_prox
-        w = log_w.exp().clamp(max=is_cap)             # TIS (FlashRL): w = min(pi_prox / pi_behav, C), no grad
+        w = log_w.exp().clamp(max=is_cap)             # TIS (QuRL Eq. 5): w = min(pi_prox / pi_behav, C), no grad
         upper = torch.full_like(ratio, 1 + eps_high)
         if loss == "acr":
             r = (is_cap * (-log_w).exp()).clamp(max=1.0)  # QuRL Eq. 9: r = min(1, C pi_behav / pi_prox)
             upper = upper / r                             # QuRL Eq. 9: upper bound (1 + eps_high) / r
-    A = adv[:, None]
+    adv = adv[:, None]                               # one advantage for every token of its sequence
     clipped = torch.minimum(torch.maximum(ratio, torch.full_like(ratio, 1 - eps_low)), upper)
-    pg = -w * torch.minimum(ratio * A, clipped * A)  # PPO: -min(R A, clip(R, 1-eps_low, upper) A)
+    pg = -w * torch.minimum(ratio * adv, clipped * adv)  # PPO: -min(R A, clip(R, 1-eps_low, upper) A)
     out = (pg * mask).sum() / (denom or mask.sum().clamp(min=1.0))
     rd = ratio.detach()
     m.update({"loss/policy": float(out.detach()),   # clip fractions: tokens whose gradient the clip zeroes
-              "clip/low": float(masked_mean(((rd < 1 - eps_low) & (A < 0)).to(mask.dtype), mask)),
-              "clip/high": float(masked_mean(((rd > upper) & (A > 0)).to(mask.dtype), mask)),
+              "clip/low": float(masked_mean(((rd < 1 - eps_low) & (adv < 0)).to(mask.dtype), mask)),
+              "clip/high": float(masked_mean(((rd > upper) & (adv > 0)).to(mask.dtype), mask)),
               "clip/acr_upper": float(masked_mean(upper, mask))})
     return out, m
 
@@ -801,18 +695,14 @@ def mismatch_metrics(logp_prox: torch.Tensor, logp_behav: torch.Tensor, mask: to
             "mismatch/ratio_max": float(log_w.masked_fill(mask == 0, -math.inf).max().exp()) if mask.any() else 1.0}
 
 
-# ======================================================================================================================
-# THE METHOD, 6: one RL step
-# ======================================================================================================================
+# ============================================ THE METHOD, 6: one RL step ==============================================
+# Every metric a step logs, in metrics.jsonl and --track (the README's glossary says what each means).
 METRIC_KEYS = ["step", "reward/mean", "reward/zero_std_groups", "rollout/len_mean", "rollout/truncated",
-               "rollout/entropy",
-               "mismatch/kl", "mismatch/logp_absdiff", "mismatch/ratio_max", "clip/low", "clip/high",
-               "clip/acr_upper", "loss/policy", "loss/entropy", "loss/kl", "tbpo/kept", "quant/flip_rate",
-               "guard/skipped", "opt/lr", "perf/rollout_tok_s", "perf/step_s", "perf/rollout_frac", "eval/acc",
-               "eval/pass@k"]
-
-
-UPDATE_KEYS = ("clip/low", "clip/high", "clip/acr_upper", "loss/policy", "loss/entropy", "loss/kl", "tbpo/kept")
+               "rollout/entropy", "mismatch/kl", "mismatch/logp_absdiff", "mismatch/ratio_max", "clip/low",
+               "clip/high", "clip/acr_upper", "loss/policy", "loss/entropy", "loss/kl", "tbpo/kept",
+               "quant/flip_rate", "guard/skipped", "opt/lr", "perf/rollout_tok_s", "perf/step_s", "perf/rollout_frac",
+               "eval/acc", "eval/pass@k"]
+UPDATE_KEYS = [k for k in METRIC_KEYS if k.split("/")[0] in ("clip", "loss", "tbpo")]  # what `update` measures
 
 
 @dataclass
@@ -833,10 +723,10 @@ def autocast(device: torch.device, dtype: torch.dtype):
 
 
 def make_rollout_actor(model: nn.Module, quant: str, dtype: torch.dtype, fp8_kernel: str = "auto") -> nn.Module:
-    """The sampler's own copy of the actor, refreshed from the masters by `sync_weights` at every step: W8A8 decoder
-    linears with the rest kept as the masters' copy (run under the learner's autocast, so that the aligned forward
-    reproduces it bit for bit), or with --quant none a copy in the compute dtype, as a bf16 inference engine holds it.
-    In fp32 with --quant none it is the model itself: the two would be identical."""
+    """The sampler's own copy of the actor, refreshed by `sync_weights` at every step: quantized decoder linears with
+    the rest a copy of the masters (run under the learner's autocast, so that the aligned forward reproduces it bit
+    for bit), or with --quant none a copy in the compute dtype, as a bf16 inference engine holds it. In fp32 with
+    --quant none it is the model itself: the two would be identical."""
     if quant != "none":
         return quantize_actor(model, quant, fp8_kernel)
     if dtype == torch.float32:
@@ -849,8 +739,7 @@ def make_rollout_actor(model: nn.Module, quant: str, dtype: torch.dtype, fp8_ker
 
 def prepare_actor(model: nn.Module, grad_checkpointing: bool = False) -> None:
     """The learner's forwards run in train mode (gradient checkpointing needs it). With dropout pi_prox and pi_theta
-    would be noisy estimates of the same policy, so every dropout probability is set to 0. Optionally, transformers'
-    gradient checkpointing (activations recomputed in backward)."""
+    would be noisy estimates of the same policy, so every dropout probability is set to 0."""
     for mod in model.modules():
         if isinstance(mod, nn.Dropout):
             mod.p = 0.0
@@ -914,11 +803,10 @@ def train_step(rl: Learner, args: Args, problems: list[dict], step: int, reward_
 
 
 def update(rl: Learner, args: Args, ids, am, mask, logp_behav, adv, logp_prox=None, logp_ref=None):
-    """--ppo-epochs passes over the rows, --mini-batches optimizer steps per pass. Each optimizer step accumulates
-    gradients over micro-batches of --micro-batch rows, each micro-batch's loss divided by the whole mini-batch's
-    denominator, so memory is set by --micro-batch while the gradient is the single-pass one. logp_prox None: one
-    update per rollout, pi_prox is pi_theta's own value (returned, for the mismatch metrics).
-    Returns (metrics averaged over the optimizer steps, logp_prox seen or None)."""
+    """--ppo-epochs passes over the rows, --mini-batches optimizer steps per pass, each accumulating gradients over
+    micro-batches of --micro-batch rows whose losses are divided by the whole mini-batch's denominator: memory is
+    set by --micro-batch, the gradient is the single-pass one. logp_prox None: one update per rollout, pi_prox is
+    pi_theta's own value. Returns (metrics averaged over the optimizer steps, the logp_prox seen or None)."""
     kw = dict(loss=args.loss, eps_low=args.eps_low, eps_high=args.eps_high, is_cap=args.is_cap,
               tbpo_eps=(args.tbpo_eps_low, args.tbpo_eps_high, args.tbpo_eps_high_neg),
               tbpo_max_mismatch=args.tbpo_max_mismatch)
@@ -1006,11 +894,7 @@ def lr_at(step: int, steps: int, lr: float, schedule: str) -> float:
     return 0.5 * lr * (1 + math.cos(math.pi * (step - 1) / max(steps, 1)))
 
 
-# ======================================================================================================================
-# THE METHOD, 7: the training loop and evaluation
-# ======================================================================================================================
-
-
+# ============================================ THE METHOD, 7: the training loop and evaluation ==========================
 @dataclass
 class RunState:
     """A run's bookkeeping between steps: its folder, data, position, and what it has measured so far."""
@@ -1022,7 +906,7 @@ class RunState:
     step: int = 0                     # the last step finished
     start_step: int = 0               # the step this process started from (0, or the resumed checkpoint's)
     data_pos: int = 0                 # problems consumed so far
-    first_eval: float | None = None   # greedy accuracy (and pass@k) of the start
+    first_eval: float | None = None   # greedy accuracy and pass@k of the start, and of the last evaluation
     first_pass: float | None = None
     last_eval: float | None = None
     last_pass: float | None = None
@@ -1037,7 +921,7 @@ def train(args: Args) -> dict:
     """The RL loop: train_step after train_step, an evaluation every --eval-every steps, a checkpoint every
     --save-every steps and on Ctrl-C or SIGTERM. Set-up, checkpoints and the summary are Appendix A's."""
     rl, run = start_run(args)
-    with stop_requests(), open(run.dir / "metrics.jsonl", "a") as log:
+    with stop_requests(), tracking(args, run.dir) as track, open(run.dir / "metrics.jsonl", "a") as log:
         for step in range(run.step + 1, args.steps + 1):
             for group in rl.opt.param_groups:
                 group["lr"] = lr_at(step, args.steps, args.lr, args.lr_schedule)
@@ -1059,6 +943,7 @@ def train(args: Args) -> dict:
                       "eval/pass@k": run.last_pass if eval_now else None})
             log.write(json.dumps(m) + "\n")
             log.flush()
+            track(m)
             if step % args.log_every == 0 or step == args.steps:
                 print_progress(run, m, args)
             if STOP:
@@ -1080,17 +965,6 @@ def run_eval(rl: Learner, args: Args, run: RunState) -> tuple[float, float | Non
                      k=args.eval_k, seed=args.seed)
     rl.model.train()
     return r["acc"], r.get(f"pass@{args.eval_k}")
-
-
-def save_final(path: Path, model, tok, s: float) -> None:
-    """`final/`: a standard checkpoint that from_pretrained loads and a new run can start from. Its weights are the
-    fp32 masters (a bf16 export would round away most of an RL run's small updates), with invariant scaling folded
-    back: q/k/v and gate/up weights times s, their norms divided by s. The model is left on the original scale."""
-    if s != 1.0:
-        invariant_scale(model, 1.0 / s)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    (path / "qurl.json").write_text(json.dumps({"invariant_scale_folded_back": s, "dtype": "float32"}) + "\n")
 
 
 @torch.no_grad()
@@ -1124,111 +998,109 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-# ======================================================================================================================
-# APPENDIX A: plumbing: arguments, data and model loading, run folders, checkpoints and resume, signals
-# ======================================================================================================================
+def save_final(path: Path, model, tok, s: float) -> None:
+    """`final/`: a standard checkpoint that from_pretrained loads and a new run can start from: the fp32 masters (a
+    bf16 export would round away most of an RL run's small updates), with invariant scaling folded back (q/k/v and
+    gate/up weights times s, their norms divided by s). The model is left on the original scale."""
+    if s != 1.0:
+        invariant_scale(model, 1.0 / s)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    (path / "qurl.json").write_text(json.dumps({"invariant_scale_folded_back": s, "dtype": "float32"}) + "\n")
 
 
+# ============================================ APPENDIX A: plumbing (arguments, data, model, run folders, signals) ======
 def _parser(defaults: bool = True) -> argparse.ArgumentParser:
-    """argparse generated from the Args dataclass: each field's help is its one-line doc. defaults=False leaves
-    unset flags out of the result (to tell which flags the user typed)."""
+    """argparse from the Args dataclass, each field's help its one-line doc. defaults=False leaves unset flags out of
+    the result (to tell which flags the user typed)."""
     p = argparse.ArgumentParser(prog="qurl.py", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 argument_default=None if defaults else argparse.SUPPRESS)
     p.error = lambda msg: _die(f"{msg} (see python qurl.py --help)")  # one line, no usage dump
     for f in dataclasses.fields(Args):
-        name, meta = "--" + f.name.replace("_", "-"), dict(f.metadata)
+        name, meta, kind = "--" + f.name.replace("_", "-"), f.metadata, str(f.type)
         default = f.default if defaults else argparse.SUPPRESS
-        kind = f.type if isinstance(f.type, str) else str(f.type)
         if kind == "bool":
             p.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
-            continue
-        base = {"int": int, "float": float}.get(kind.split(" ")[0], str)
-        p.add_argument(name, type=base, default=default, help=meta["help"], choices=meta.get("choices"),
-                       nargs=meta.get("nargs"))
+        else:
+            p.add_argument(name, type={"int": int, "float": float}.get(kind.split(" ")[0], str), default=default,
+                           help=meta["help"], choices=meta.get("choices"), nargs=meta.get("nargs"))
     return p
 
 
 def parse_args(argv=None) -> Args:
     """Parse and validate. With --resume DIR the run's saved args.json is the base and only the flags typed now
     override it, so `python qurl.py --resume runs/x` continues the run as it was started."""
-    args = Args(**vars(_parser().parse_args(argv)))
+    args, typed = Args(**vars(_parser().parse_args(argv))), vars(_parser(defaults=False).parse_args(argv))
     if args.resume:
         saved = Path(args.resume) / "args.json"
         if not saved.is_file():
             _die(f"--resume {args.resume}: no checkpoint there (not a run folder: {saved} is missing)")
         names = {f.name for f in dataclasses.fields(Args)}
-        base = {k: v for k, v in json.loads(saved.read_text()).items() if k in names}
-        typed = vars(_parser(defaults=False).parse_args(argv))
-        args = Args(**{**base, **typed})
+        args = Args(**{**{k: v for k, v in json.loads(saved.read_text()).items() if k in names}, **typed})
     msg = validate_args(args)
     if msg:
         _die(msg)
-    for line in flag_notices(args, set(vars(_parser(defaults=False).parse_args(argv)))):
+    for line in flag_notices(args, set(typed)):
         notice(line)
     return args
 
 
-def flag_notices(a: Args, typed: set[str]) -> list[str]:
+def flag_notices(args: Args, typed: set[str]) -> list[str]:
     """Flags that do nothing for the chosen loss, and settings that make it equal to a simpler one: one line each."""
-    out = []
-    unused = {"naive": {"is_cap", "tbpo_eps_low", "tbpo_eps_high", "tbpo_eps_high_neg", "tbpo_max_mismatch"},
-              "tis": {"tbpo_eps_low", "tbpo_eps_high", "tbpo_eps_high_neg", "tbpo_max_mismatch"},
-              "tbpo": {"eps_low", "eps_high"}}
-    unused["acr"] = unused["tis"]
-    for name in sorted(unused[a.loss] & typed):
-        out.append(f"--{name.replace('_', '-')} does nothing with --loss {a.loss}")
-    tool = a.dry_run or a.plot or a.bench_rollout or a.bench_quant or a.bench_memory or a.bench_train
-    if a.ppo_epochs * a.mini_batches == 1 and a.loss != "naive" and not tool:
+    tbpo = {"tbpo_eps_low", "tbpo_eps_high", "tbpo_eps_high_neg", "tbpo_max_mismatch"}
+    unused = {"naive": tbpo | {"is_cap"}, "tis": tbpo, "acr": tbpo, "tbpo": {"eps_low", "eps_high"}}[args.loss]
+    out = [f"--{name.replace('_', '-')} does nothing with --loss {args.loss}" for name in sorted(unused & typed)]
+    tool = args.dry_run or args.plot or args.bench_rollout or args.bench_quant or args.bench_memory or args.bench_train
+    if args.ppo_epochs * args.mini_batches == 1 and args.loss != "naive" and not tool:
         what = {"tis": "the PPO clip never binds", "acr": "the PPO clip never binds and ACR equals TIS bit for bit",
-                "tbpo": "no sequence leaves TBPO's band (s = 1)"}[a.loss]
+                "tbpo": "no sequence leaves TBPO's band (s = 1)"}[args.loss]
         out.append(f"with one update per rollout (--ppo-epochs 1 --mini-batches 1) pi_theta = pi_prox at the update, "
                    f"so R = 1: {what}; use --mini-batches > 1 or --ppo-epochs > 1 to see it act")
+    if args.top_p < 1.0:
+        out.append("--top-p < 1 truncates the sampler's distribution; the training side uses the full softmax, so the "
+                   "importance ratio pi_prox/pi_behav is biased")
     return out
 
 
-def validate_args(a: Args) -> str | None:
+def validate_args(args: Args) -> str | None:
     """Return a one-line complaint about the first out-of-range value, or None."""
     checks = [
-        (a.group_size >= 2,
-         f"--group-size must be >= 2 (a GRPO group needs two samples to compare), got {a.group_size}"),
-        (a.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {a.prompts_per_step}"),
-        (a.temperature >= 0, f"--temperature must be >= 0 (0 is greedy), got {a.temperature}"),
-        (0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}"),
-        (0 <= a.eps_low < 1, f"--eps-low must be in [0, 1), got {a.eps_low}"),
-        (a.eps_high >= 0, f"--eps-high must be >= 0, got {a.eps_high}"),
-        (a.is_cap >= 1, f"--is-cap must be >= 1 (it truncates pi_prox/pi_behav; FlashRL uses 2), got {a.is_cap}"),
-        (a.invariant_scale is None or a.invariant_scale > 0,
-         f"--invariant-scale must be > 0 (1 disables it; the paper uses 1.5), got {a.invariant_scale}"),
-        (a.lr > 0, f"--lr must be > 0, got {a.lr}"),
-        (a.kl_coef >= 0, f"--kl-coef must be >= 0, got {a.kl_coef}"),
-        (a.steps >= 0, f"--steps must be >= 0, got {a.steps}"),
-        (a.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {a.max_new_tokens}"),
-        (a.ppo_epochs >= 1 and a.mini_batches >= 1, "--ppo-epochs and --mini-batches must be >= 1"),
-        (a.mini_batches <= a.prompts_per_step * a.group_size, "--mini-batches exceeds the rows of a step"),
-        (a.micro_batch >= 1 and a.eval_batch >= 1, "--micro-batch and --eval-batch must be >= 1"),
-        (a.eval_every >= 1 and a.log_every >= 1 and a.save_every >= 1, "--eval/log/save-every must be >= 1"),
-        (a.eval_size >= 0, f"--eval-size must be >= 0, got {a.eval_size}"),
-        (a.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {a.max_grad_norm}"),
-        (a.max_bad_steps >= 1, "--max-bad-steps must be >= 1"),
-        (a.device in ("auto", "cpu", "cuda") or a.device.startswith("cuda:"), f"--device: unknown '{a.device}'"),
-        (a.dtype != "float16", "--dtype float16 is not supported: fp16 autocast needs loss scaling, which qurl "
+        (args.group_size >= 2, f"--group-size must be >= 2 (a GRPO group needs two samples to compare), got {args.group_size}"),
+        (args.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {args.prompts_per_step}"),
+        (args.temperature >= 0, f"--temperature must be >= 0 (0 is greedy), got {args.temperature}"),
+        (0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
+        (0 <= args.eps_low < 1, f"--eps-low must be in [0, 1), got {args.eps_low}"),
+        (args.eps_high >= 0, f"--eps-high must be >= 0, got {args.eps_high}"),
+        (args.is_cap >= 1, f"--is-cap must be >= 1 (it truncates pi_prox/pi_behav; FlashRL uses 2), got {args.is_cap}"),
+        (args.invariant_scale is None or args.invariant_scale > 0,
+         f"--invariant-scale must be > 0 (1 disables it; the paper uses 1.5), got {args.invariant_scale}"),
+        (args.lr > 0, f"--lr must be > 0, got {args.lr}"),
+        (args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}"),
+        (args.steps >= 0, f"--steps must be >= 0, got {args.steps}"),
+        (args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
+        (args.ppo_epochs >= 1 and args.mini_batches >= 1, "--ppo-epochs and --mini-batches must be >= 1"),
+        (args.mini_batches <= args.prompts_per_step * args.group_size, "--mini-batches exceeds the rows of a step"),
+        (min(args.micro_batch, args.eval_batch, args.eval_every, args.log_every, args.save_every, args.max_bad_steps, args.bench_len,
+             args.bench_runs) >= 1, "--micro-batch, --eval-batch, --eval/log/save-every, --max-bad-steps, --bench-len "
+                                 "and --bench-runs must be >= 1"),
+        (args.eval_size >= 0 and args.eval_k >= 0, "--eval-size and --eval-k must be >= 0"),
+        (args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}"),
+        (args.device in ("auto", "cpu", "cuda") or args.device.startswith("cuda:"), f"--device: unknown '{args.device}'"),
+        (args.dtype != "float16", "--dtype float16 is not supported: fp16 autocast needs loss scaling, which qurl "
                                "does not do; use bfloat16 (or float32 on a GPU without bf16)"),
-        (a.dtype in ("auto", "float32", "bfloat16"), f"--dtype: unknown '{a.dtype}' (auto, float32 or bfloat16)"),
-        (min(a.tbpo_eps_low, a.tbpo_eps_high, a.tbpo_eps_high_neg) > 0 and a.tbpo_eps_low < 1,
+        (args.dtype in ("auto", "float32", "bfloat16"), f"--dtype: unknown '{args.dtype}' (auto, float32 or bfloat16)"),
+        (min(args.tbpo_eps_low, args.tbpo_eps_high, args.tbpo_eps_high_neg) > 0 and args.tbpo_eps_low < 1,
          "--tbpo-eps-low/-high/-high-neg must be > 0 (and eps-low < 1)"),
-        (a.tbpo_max_mismatch is None or a.tbpo_max_mismatch > 1, "--tbpo-max-mismatch must be > 1"),
-        (a.temperature > 0 or a.steps == 0 or a.dry_run or a.plot or a.bench_quant or a.bench_rollout,
+        (args.tbpo_max_mismatch is None or args.tbpo_max_mismatch > 1, "--tbpo-max-mismatch must be > 1"),
+        (args.temperature > 0 or args.steps == 0 or args.dry_run or args.plot or args.bench_quant or args.bench_rollout,
          "--temperature 0 (greedy) cannot train: a greedy rollout has no distribution to compute a policy gradient "
          "of; use a temperature > 0 (1.0 is the default)"),
-        (not (a.align_forward and a.quant == "none"), "--align-forward needs a quantizer: add --quant int8, fp8 or "
-                                                      "nf4"),
-        (a.run_name is None or (a.run_name not in ("", ".", "..") and not set(a.run_name) & set("/\\")),
-         f"--run-name must be one folder name inside --out-dir (not empty, no / or \\, not . or ..), "
-         f"got {a.run_name!r}"),
-        (a.bench_len >= 1 and a.bench_runs >= 1, "--bench-len and --bench-runs must be >= 1"),
-        (all(s.strip().isdigit() and int(s) > 0 for s in a.bench_batch.split(",")),
-         f"--bench-batch must be positive integers separated by commas, got '{a.bench_batch}'"),
+        (not (args.align_forward and args.quant == "none"), "--align-forward needs a quantizer: add --quant int8, fp8 or nf4"),
+        (args.run_name is None or (args.run_name not in ("", ".", "..") and not set(args.run_name) & set("/\\")),
+         f"--run-name must be one folder name inside --out-dir (not empty, no / or \\, not . or ..), got {args.run_name!r}"),
+        (all(b.strip().isdigit() and int(b) > 0 for b in args.bench_batch.split(",")),
+         f"--bench-batch must be positive integers separated by commas, got '{args.bench_batch}'"),
     ]
     return next((msg for ok, msg in checks if not ok), None)
 
@@ -1238,48 +1110,52 @@ def _die(msg: str) -> None:
     sys.exit(2)
 
 
+def _require_bnb(fmt: str = "int8") -> None:
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise QurlError(f"--quant {fmt} needs bitsandbytes >= 0.46 (pip install 'bitsandbytes>=0.46'); "
+                        f"or use --quant fp8") from None
+    if tuple(int(v) for v in bitsandbytes.__version__.split(".")[:2]) < (0, 46):
+        raise QurlError(f"--quant {fmt} needs bitsandbytes >= 0.46 for its CPU ops, found {bitsandbytes.__version__}"
+                        f" (pip install -U bitsandbytes); or use --quant fp8")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
 def load_problems(spec: str, split: str = "train", question_field: str = "question", answer_field: str = "answer",
                   config: str | None = None) -> list[dict]:
-    """Problems as [{"question": str, "gold": str}] from a local .jsonl/.json/.parquet file or a hub data set.
-
-    .jsonl is read line by line so that an error names the line; .json, .parquet and hub sets go through `datasets`.
-    The gold answer is `extract_answer(answer_field)`: GSM8K's '#### 42', MATH's '\\boxed{42}' or a bare value.
-    """
+    """Problems as [{"question": str, "gold": str}] from a local .jsonl/.json/.parquet file or a hub data set; the
+    gold answer is `extract_answer(answer_field)`. .jsonl is read line by line so that an error names the line."""
     path = Path(spec)
-    local = path.suffix in (".jsonl", ".json", ".parquet") or path.exists() or spec.startswith((".", "/"))
-    if local:
-        if not path.is_file():
-            raise QurlError(f"data file not found: {spec}")
-        if path.suffix == ".jsonl":
-            rows = []
-            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append((f"{spec}:{i}", json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raise QurlError(f"{spec}:{i}: malformed JSON line ({e.msg}); fix or delete that line") from None
-        elif path.suffix in (".json", ".parquet"):
-            try:
-                with _quiet_datasets() as datasets:
-                    ds = datasets.load_dataset("json" if path.suffix == ".json" else "parquet",
-                                               data_files=str(path), split="train")
-            except Exception as e:
-                raise QurlError(f"{spec}: cannot be read as {path.suffix[1:]} ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0][:200]})") from None
-            rows = [(f"{spec} row {i + 1}", r) for i, r in enumerate(ds)]
-        else:
-            raise QurlError(f"{spec}: unknown data format '{path.suffix}'; use .jsonl, .json or .parquet")
-    else:
+    if not (path.suffix in (".jsonl", ".json", ".parquet") or path.exists() or spec.startswith((".", "/"))):
         rows = _load_hub_rows(spec, split, config)
+    elif not path.is_file():
+        raise QurlError(f"data file not found: {spec}")
+    elif path.suffix == ".jsonl":
+        rows = []
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                rows += [(f"{spec}:{i}", json.loads(line))] if line.strip() else []
+            except json.JSONDecodeError as e:
+                raise QurlError(f"{spec}:{i}: malformed JSON line ({e.msg}); fix or delete that line") from None
+    elif path.suffix in (".json", ".parquet"):
+        try:
+            with _quiet_datasets() as datasets:
+                ds = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train")
+        except Exception as e:
+            raise QurlError(f"{spec}: cannot be read as {path.suffix[1:]} ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:200]})") from None
+        rows = [(f"{spec} row {i + 1}", r) for i, r in enumerate(ds)]
+    else:
+        raise QurlError(f"{spec}: unknown data format '{path.suffix}'; use .jsonl, .json or .parquet")
     problems = []
     for where, r in rows:
         if not isinstance(r, dict):
             raise QurlError(f"{where}: expected a JSON object, got {type(r).__name__}")
         for key in (question_field, answer_field):
             if key not in r:
-                raise QurlError(f"{where}: missing field '{key}' (has {sorted(r)}); "
-                                f"set --question-field / --answer-field")
+                raise QurlError(f"{where}: missing field '{key}' (has {sorted(r)}); set --question-field / "
+                                f"--answer-field")
         gold = extract_answer(str(r[answer_field]))
         if gold is None:
             raise QurlError(f"{where}: gold answer does not parse: {str(r[answer_field])[-80:]!r}")
@@ -1289,7 +1165,7 @@ def load_problems(spec: str, split: str = "train", question_field: str = "questi
     return problems
 
 
-@contextmanager
+@contextlib.contextmanager
 def _quiet_datasets():
     """`datasets` without progress bars and without its own error log lines: qurl reports a failure in one line."""
     import datasets
@@ -1303,14 +1179,12 @@ def _quiet_datasets():
 
 
 def _load_hub_rows(name: str, split: str, config: str | None):
-    if config is None and name.endswith("gsm8k"):
-        config = "main"
     try:
         with _quiet_datasets() as datasets:
-            ds = datasets.load_dataset(name, config, split=split)
+            ds = datasets.load_dataset(name, config or ("main" if name.endswith("gsm8k") else None), split=split)
     except Exception as e:
         text = f"{type(e).__name__}: {e}"
-        if "Offline" in text or "offline" in text or "resolve" in text or "Connection" in text:
+        if any(w in text for w in ("Offline", "offline", "resolve", "Connection")):
             raise QurlError(f"cannot load hub data set '{name}': no network (offline); pass a local "
                             f".jsonl/.json/.parquet file, e.g. data/arith_train.jsonl") from None
         raise QurlError(f"cannot load data set '{name}' (not a local file either): {text.splitlines()[0][:200]}") \
@@ -1328,7 +1202,7 @@ def resolve_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[tor
         dtype = "bfloat16" if dev.type == "cuda" else "float32"
         if dev.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
             dtype = "float32"
-            _notice_once("no-bf16", "this GPU has no bf16 arithmetic: computing in float32")
+            notice("this GPU has no bf16 arithmetic: computing in float32")
     return dev, getattr(torch, dtype)
 
 
@@ -1338,17 +1212,16 @@ def load_model(name_or_path: str = "data/tiny-qwen", device="cpu", dtype=torch.f
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    p = Path(name_or_path)
-    if not p.is_dir() and not (HERE / name_or_path).is_dir() and (name_or_path.startswith((".", "/"))
-                                                                    or name_or_path.count("/") != 1):
-        raise QurlError(f"model not found: '{name_or_path}' is not a folder, nor a hub name like Qwen/Qwen2.5-0.5B")
-    if not p.is_dir() and (HERE / name_or_path).is_dir():
+    if not Path(name_or_path).is_dir() and (HERE / name_or_path).is_dir():
         name_or_path = str(HERE / name_or_path)
+    local = Path(name_or_path).is_dir()
+    if not local and (name_or_path.startswith((".", "/")) or name_or_path.count("/") != 1):
+        raise QurlError(f"model not found: '{name_or_path}' is not a folder, nor a hub name like Qwen/Qwen2.5-0.5B")
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
     except OSError as e:
-        if not Path(name_or_path).is_dir():
+        if not local:
             raise QurlError(f"cannot load '{name_or_path}' from the hub (offline or no such model): use a local "
                             f"folder such as data/tiny-qwen") from None
         raise QurlError(f"cannot load model folder '{name_or_path}': {str(e).splitlines()[0][:200]}") from None
@@ -1363,29 +1236,16 @@ def load_model(name_or_path: str = "data/tiny-qwen", device="cpu", dtype=torch.f
 def check_prompt_lengths(model, tok, problems: list[dict], max_new_tokens: int) -> None:
     """Refuse, before anything is written, problems whose prompt + response cannot fit the model's context."""
     limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is None:
-        return
     lens = [len(x) for x in tok([format_prompt(p["question"], tok) for p in problems],
-                                add_special_tokens=False)["input_ids"]]
+                                add_special_tokens=False)["input_ids"]] if limit else [0]
     i = max(range(len(lens)), key=lens.__getitem__)
-    if lens[i] + max_new_tokens > limit:
+    if limit and lens[i] + max_new_tokens > limit:
         raise QurlError(f"problem {i + 1} ({problems[i]['question'][:40]!r}...): prompt of {lens[i]} tokens + "
                         f"--max-new-tokens {max_new_tokens} exceeds the model's context of {limit}; shorten or "
                         f"drop long problems, or lower --max-new-tokens")
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
 RUN_MARKER = ".qurl-run"  # written into every run folder at creation: --overwrite deletes only folders that hold it
-
-
-def run_dir_for(args: Args) -> Path:
-    if args.resume:
-        return Path(args.resume)
-    return Path(args.out_dir) / (args.run_name or f"{args.quant}-{args.loss}-s{args.seed}")
 
 
 def is_qurl_run(d: Path) -> bool:
@@ -1394,41 +1254,39 @@ def is_qurl_run(d: Path) -> bool:
 
 
 def check_run_dir(args: Args) -> Path:
-    """Every check of the run folder, with no side effect: nothing is created or deleted here, so a run that fails
-    on bad input later in set-up has not yet destroyed anything."""
-    d = run_dir_for(args)
+    """The run folder after every check, with no side effect: nothing is created or deleted here, so a run that
+    fails on bad input later in set-up has not yet destroyed anything."""
+    d = Path(args.resume or Path(args.out_dir) / (args.run_name or f"{args.quant}-{args.loss}-s{args.seed}"))
     if args.resume:
         if not (d / "ckpt" / "state.pt").is_file() and not (d / "ckpt.old" / "state.pt").is_file():
             raise QurlError(f"--resume {d}: no checkpoint there (expected {d}/ckpt/state.pt)")
         return d
     if d.exists() and not d.is_dir():
         raise QurlError(f"run folder {d} is a file, not a folder: choose another --run-name or --out-dir")
-    if d.is_dir() and any(d.iterdir()):
-        if not args.overwrite:
-            raise QurlError(f"run folder {d} already exists: pass --resume {d} to continue it, --overwrite to "
-                            f"replace it, or --run-name NAME")
-        if not is_qurl_run(d):
-            held = sorted(p.name for p in d.iterdir())
-            shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
-            raise QurlError(f"--overwrite: {d} is not a qurl run folder (it holds {shown}; no {RUN_MARKER}), so "
-                            f"qurl will not delete it: choose another --run-name or --out-dir")
+    if d.is_dir() and any(d.iterdir()) and not args.overwrite:
+        raise QurlError(f"run folder {d} already exists: pass --resume {d} to continue it, --overwrite to replace "
+                        f"it, or --run-name NAME")
+    if d.is_dir() and any(d.iterdir()) and not is_qurl_run(d):
+        held = sorted(p.name for p in d.iterdir())
+        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        raise QurlError(f"--overwrite: {d} is not a qurl run folder (it holds {shown}; no {RUN_MARKER}), so qurl "
+                        f"will not delete it: choose another --run-name or --out-dir")
     parent = next(p for p in [d, *d.parents] if p.exists())
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise QurlError(f"cannot write to {d} ({parent} is not a writable folder); choose another --out-dir")
     return d
 
 
-def make_run_dir(d: Path, args: Args) -> None:
+def make_run_dir(d: Path) -> None:
     """Create the run folder (replacing an old qurl run under --overwrite, which check_run_dir allowed) and mark it."""
-    if not args.resume:
-        if d.is_dir() and any(d.iterdir()):
-            assert is_qurl_run(d), d  # check_run_dir refused anything else
-            shutil.rmtree(d)
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            (d / RUN_MARKER).write_text("a qurl run folder: qurl --overwrite may delete it\n")
-        except OSError as e:
-            raise QurlError(f"cannot write to {d} ({e.strerror}); choose another --out-dir") from None
+    if d.is_dir() and any(d.iterdir()):
+        assert is_qurl_run(d), d  # check_run_dir refused anything else
+        shutil.rmtree(d)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / RUN_MARKER).write_text("a qurl run folder: qurl --overwrite may delete it\n")
+    except OSError as e:
+        raise QurlError(f"cannot write to {d} ({e.strerror}); choose another --out-dir") from None
 
 
 def start_run(args: Args) -> tuple[Learner, RunState]:
@@ -1436,15 +1294,16 @@ def start_run(args: Args) -> tuple[Learner, RunState]:
     (fp32 masters, invariant scaling, the KL reference, the rollout actor, AdamW); then create the run folder, or
     resume it, and evaluate the start. Nothing is written or deleted before every check has passed."""
     device, dtype = resolve_device_dtype(args.device, args.dtype)
-    seed_everything(args.seed)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
     model, tok = load_model(args.model, device, torch.float32)  # fp32 master weights; forwards run in `dtype`
     prepare_actor(model, args.grad_checkpointing)
-    load = lambda spec, split: load_problems(spec, split, args.question_field, args.answer_field,  # noqa: E731
-                                             args.data_config)
-    train_set, test_set = load(args.train_data, args.train_split), load(args.test_data, args.test_split)
+    train_set, test_set = (load_problems(spec, split, args.question_field, args.answer_field, args.data_config)
+                           for spec, split in [(args.train_data, args.train_split), (args.test_data, args.test_split)])
     test_set = test_set[:args.eval_size] if args.eval_size else test_set
     check_prompt_lengths(model, tok, train_set + test_set, args.max_new_tokens)
     d = check_run_dir(args)
+    _tracker_module(args.track)  # a missing wandb/tensorboard fails here, before anything is written
     ckpt = load_checkpoint(d) if args.resume else None
     if ckpt is not None and ckpt["model_id"] != _model_id(model):
         raise QurlError(f"--resume {d}: checkpoint is of a different model ({ckpt['model_id']}) than "
@@ -1460,10 +1319,10 @@ def start_run(args: Args) -> tuple[Learner, RunState]:
     rl = Learner(model, opt, actor, tok, torch.Generator(device=device).manual_seed(args.seed), dtype, ref_model)
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.seed + 1)).tolist()
     run = RunState(d, train_set, test_set, order, s)
-    make_run_dir(d, args)  # every check has passed: only now may an old run be replaced
     if ckpt is not None:
         resume_from(rl, run, ckpt)
     else:
+        make_run_dir(d)  # every check has passed: only now may an old run be replaced
         (d / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
         (d / "metrics.jsonl").write_text("")
     run.start_step, run.t_start = run.step, time.time()
@@ -1495,8 +1354,38 @@ def resume_from(rl: Learner, run: RunState, ckpt: dict) -> None:
     random.setstate(ckpt["rng_python"])
     torch.set_rng_state(ckpt["rng_torch"])
     rl.gen.set_state(ckpt["rng_sampler"])
-    _truncate_metrics(run.dir / "metrics.jsonl", run.step)
+    log = run.dir / "metrics.jsonl"  # lines logged after the checkpoint would be written twice: drop them
+    keep = [l for l in log.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= run.step] \
+        if log.exists() else []
+    log.write_text("".join(l + "\n" for l in keep))
     notice(f"resumed {run.dir} at step {run.step}")
+
+
+def _model_id(model) -> dict:
+    c = model.config
+    return {"arch": type(model).__name__, "hidden": c.hidden_size, "layers": c.num_hidden_layers,
+            "vocab": c.vocab_size, "params": sum(p.numel() for p in model.parameters())}
+
+
+def save_checkpoint(d: Path, state: dict) -> None:
+    """Atomic: write ckpt.tmp/, move ckpt/ to ckpt.old/, rename ckpt.tmp/ to ckpt/, delete ckpt.old/. A crash at any
+    point leaves a complete ckpt/ or ckpt.old/."""
+    tmp, cur, old = d / "ckpt.tmp", d / "ckpt", d / "ckpt.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    torch.save(state, tmp / "state.pt")
+    if cur.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        cur.rename(old)
+    tmp.rename(cur)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(d: Path) -> dict:
+    f = next((d / sub / "state.pt" for sub in ("ckpt", "ckpt.old") if (d / sub / "state.pt").is_file()), None)
+    if f is None:
+        raise QurlError(f"--resume {d}: no checkpoint there")
+    return torch.load(f, map_location="cpu", weights_only=False)
 
 
 def print_progress(run: RunState, m: dict, args: Args) -> None:
@@ -1522,51 +1411,53 @@ def finish_run(rl: Learner, run: RunState, args: Args) -> dict:
     return summary
 
 
-def save_checkpoint(d: Path, state: dict) -> None:
-    """Atomic: write ckpt.tmp/, move ckpt/ to ckpt.old/, rename ckpt.tmp/ to ckpt/, delete ckpt.old/.
-    A crash at any point leaves a complete ckpt/ or ckpt.old/."""
-    tmp, cur, old = d / "ckpt.tmp", d / "ckpt", d / "ckpt.old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    torch.save(state, tmp / "state.pt")
-    if cur.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        cur.rename(old)
-    tmp.rename(cur)
-    shutil.rmtree(old, ignore_errors=True)
+def _tracker_module(kind: str | None):
+    """The package --track needs, imported only when asked for; a missing one is a one-line error."""
+    try:
+        if kind == "wandb":
+            import wandb
+            return wandb
+        if kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            return SummaryWriter
+    except ImportError:
+        pkg = {"wandb": "wandb", "tensorboard": "tensorboard"}[kind]
+        raise QurlError(f"--track {kind} needs the {pkg} package: pip install {pkg} (or drop --track)") from None
 
 
-def load_checkpoint(d: Path) -> dict:
-    for sub in ("ckpt", "ckpt.old"):
-        f = d / sub / "state.pt"
-        if f.is_file():
-            return torch.load(f, map_location="cpu", weights_only=False)
-    raise QurlError(f"--resume {d}: no checkpoint there")
-
-
-def _model_id(model) -> dict:
-    c = model.config
-    return {"arch": type(model).__name__, "hidden": c.hidden_size, "layers": c.num_hidden_layers,
-            "vocab": c.vocab_size, "params": sum(p.numel() for p in model.parameters())}
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop lines logged after the checkpoint we resume from, so they are not written twice."""
-    if path.exists():
-        keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
-        path.write_text("".join(l + "\n" for l in keep))
+@contextlib.contextmanager
+def tracking(args: Args, d: Path):
+    """--track: a function that sends each metrics.jsonl row to wandb or tensorboard (else does nothing)."""
+    module = _tracker_module(args.track)
+    if args.track == "wandb":  # a resumed run continues the same wandb run: its id is kept in the run folder
+        id_file = d / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else module.util.generate_id()
+        id_file.write_text(run_id + "\n")
+        run = module.init(project="qurl", name=d.name, id=run_id, resume="allow", dir=str(d),
+                          config=dataclasses.asdict(args))
+        log, close = lambda m, step: run.log(m, step=step), run.finish
+    elif args.track == "tensorboard":
+        writer = module(log_dir=str(d / "tensorboard"))
+        log, close = lambda m, step: [writer.add_scalar(k, v, step) for k, v in m.items()], writer.close
+    else:
+        log, close = lambda m, step: None, lambda: None
+    try:
+        yield lambda m: log({k: v for k, v in m.items() if v is not None and k != "step"}, m["step"])
+    finally:
+        close()
 
 
 STOP: set = set()  # the signals received: non-empty once Ctrl-C or SIGTERM asked the loop to stop after this step
 
 
-@contextmanager
+@contextlib.contextmanager
 def stop_requests():
     """Within this block Ctrl-C (SIGINT) and SIGTERM (how clusters and rented GPUs preempt a job) ask the loop to
     finish the current step, write a checkpoint and exit; a second signal aborts at once. Signals can only be caught
     in the main thread: elsewhere this is a no-op."""
+    import threading
     STOP.clear()
-    sigs = (signal.SIGINT, signal.SIGTERM) if _main_thread() else ()
+    sigs = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
     old = {sig: signal.signal(sig, _request_stop) for sig in sigs}
     try:
         yield STOP
@@ -1584,27 +1475,15 @@ def _request_stop(signum, frame):
     notice(f"{name}: finishing this step, then writing a checkpoint (send it again to abort at once)")
 
 
-def _main_thread() -> bool:
-    import threading
-    return threading.current_thread() is threading.main_thread()
-
-
-# ======================================================================================================================
-# APPENDIX B: tools: benchmarks, dry run, plots
-# ======================================================================================================================
-# Published architectures (config.json of each hub model), built with random weights for throughput runs.
+# ============================================ APPENDIX B: tools (benchmarks, dry run, plots) ===========================
+# Published architectures (config.json of each hub model), built with random weights for throughput runs:
+# model_type, hidden, layers, heads, kv heads, intermediate, vocab, tied embeddings (+ head_dim where it differs).
 MODEL_CONFIGS = {
-    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
-    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
-                       tie_word_embeddings=True),
-    "qwen2-h512-l8": dict(model_type="qwen2", hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
-                          num_key_value_heads=2, intermediate_size=2048, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-0.5b": ("qwen2", 896, 24, 14, 2, 4864, 151936, True),
+    "qwen2.5-1.5b": ("qwen2", 1536, 28, 12, 2, 8960, 151936, True),
+    "qwen2.5-7b": ("qwen2", 3584, 28, 28, 4, 18944, 152064, False),
+    "qwen3-0.6b": ("qwen3", 1024, 28, 16, 8, 3072, 151936, True, 128),
+    "qwen2-h512-l8": ("qwen2", 512, 8, 8, 2, 2048, 151936, True),
 }
 
 
@@ -1612,74 +1491,35 @@ def build_from_config(name: str, device, dtype, seed: int = 0):
     from transformers import AutoConfig, AutoModelForCausalLM
     if name not in MODEL_CONFIGS:
         raise QurlError(f"--model-config: unknown '{name}'; choose from {', '.join(MODEL_CONFIGS)}")
-    spec = dict(MODEL_CONFIGS[name])
-    cfg = AutoConfig.for_model(spec.pop("model_type"), max_position_embeddings=32768, rope_theta=1e6, **spec)
+    kind, h, n_layers, heads, kv, inter, vocab, tied, *head_dim = MODEL_CONFIGS[name]
+    cfg = AutoConfig.for_model(kind, hidden_size=h, num_hidden_layers=n_layers, num_attention_heads=heads,
+                               num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
+                               tie_word_embeddings=tied, max_position_embeddings=32768, rope_theta=1e6,
+                               **({"head_dim": head_dim[0]} if head_dim else {}))
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device).eval()
 
 
+def _bench_model(args: Args, device, dtype):
+    """The loaded --model, or a published architecture with random weights (and the tiny tokenizer)."""
+    if args.model_config:
+        return build_from_config(args.model_config, device, dtype), load_model(str(HERE / "data/tiny-qwen"))[1]
+    model, tok = load_model(args.model, device, dtype)
+    return model.eval(), tok
+
+
 def _timed(fn, runs: int, device) -> tuple[float, object]:
+    """Median seconds of `runs` calls of fn (after one warm-up call), and the last result."""
     times, out = [], None
-    for _ in range(runs):
+    for i in range(runs + 1):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
         out = fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+        times += [time.perf_counter() - t] if i else []
     return sorted(times)[len(times) // 2], out
-
-
-def _bench_model(args: Args, device, dtype):
-    """The loaded --model, or a published architecture with random weights (and the tiny tokenizer)."""
-    if args.model_config:
-        tok = load_model(str(HERE / "data/tiny-qwen"), "cpu", torch.float32)[1]
-        return build_from_config(args.model_config, device, dtype), tok
-    model, tok = load_model(args.model, device, dtype)
-    return model.eval(), tok
-
-
-def bench_rollout(args: Args) -> list[dict]:
-    """tokens/s of `sample` and of `model.generate` on the same prompts, batch and length; median of runs."""
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
-    model, tok = _bench_model(args, device, dtype)
-    fmt = None if args.quant == "none" else args.quant
-    actor = quantize_actor(model, fmt, args.fp8_kernel) if fmt else model
-    problems = load_problems(args.test_data, args.test_split, args.question_field, args.answer_field,
-                             args.data_config)
-    ignore_eos = args.model_config is not None   # random weights: force the full length on both sides
-    rows = []
-    for batch in (int(b) for b in args.bench_batch.split(",")):
-        n_prompts = max(1, batch // args.group_size)
-        G = batch // n_prompts
-        prompts = [format_prompt(p["question"], tok) for p in problems[:n_prompts]]
-        for temp in (1.0, 0.0):
-            gen = torch.Generator(device=device).manual_seed(args.seed)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            ours_fn = lambda: sample(actor, tok, prompts, G, args.bench_len, temp, generator=gen,  # noqa: E731
-                                     ignore_eos=ignore_eos)
-            _timed(ours_fn, 1, device)   # warm-up
-            t_ours, ro = _timed(ours_fn, args.bench_runs, device)
-            ours_tok = float(ro.response_mask.sum())
-            enc = tok([p for p in prompts for _ in range(G)], return_tensors="pt", padding=True).to(device)
-            kw = dict(do_sample=temp > 0, max_new_tokens=args.bench_len, pad_token_id=tok.pad_token_id, top_k=0,
-                      top_p=1.0)
-            if temp > 0:
-                kw["temperature"] = temp
-            if ignore_eos:
-                kw["min_new_tokens"] = args.bench_len
-            gen_fn = lambda: actor.generate(**enc, **kw)  # noqa: E731
-            _timed(gen_fn, 1, device)
-            t_gen, out = _timed(gen_fn, args.bench_runs, device)
-            gen_tok = _generated_tokens(out[:, enc["input_ids"].shape[1]:], stop_token_ids(model, tok),
-                                        ignore_eos)
-            rows.append(_report({"model": args.model_config or Path(args.model).name, "quant": args.quant,
-                                 "batch": G * n_prompts, "len": args.bench_len, "temperature": temp,
-                                 "sample_tok_s": ours_tok / t_ours, "generate_tok_s": gen_tok / t_gen,
-                                 "ratio": (ours_tok / t_ours) / (gen_tok / t_gen)}, device, args.bench_out))
-    return rows
 
 
 def _report(row: dict, device, out: str | None = None) -> dict:
@@ -1696,44 +1536,77 @@ def _report(row: dict, device, out: str | None = None) -> dict:
     return row
 
 
-def bench_quant(args: Args) -> list[dict]:
-    """Rollout throughput of the model (or a published architecture; fixed response length: EOS ignored) for
-    --quant none|int8|fp8 at each --bench-batch: tokens/s, ratio to the unquantized model in the model dtype (bf16 on
-    CUDA), peak GPU memory, and the share of the rollout spent in the decoder linears (timed apart, see below)."""
+def bench_rollout(args: Args, fmts: tuple[str, ...] | None = None) -> list[dict]:
+    """Rollout tokens/s of `sample` for each --bench-batch (median of --bench-runs). --bench-rollout: against
+    model.generate on the same prompts, at T = 1 and greedy. --bench-quant (fmts given): for each rollout precision,
+    EOS ignored, as a ratio to the unquantized model in the model dtype, with the share of the time spent in the
+    decoder linears."""
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     model, tok = _bench_model(args, device, dtype)
     problems = load_problems(args.test_data, args.test_split, args.question_field, args.answer_field,
                              args.data_config)
-    rows, base = [], {}
-    for fmt in ("none", "int8", "fp8", "nf4"):
-        if fmt in ("int8", "nf4"):
-            try:
-                _require_bnb(fmt)
-            except QurlError as e:
-                notice(f"bench: skipping int8 ({e})")
-                continue
-        actor = model if fmt == "none" else quantize_actor(model, fmt, args.fp8_kernel)
+    ignore_eos, rows, base = fmts is not None or args.model_config is not None, [], {}
+    for fmt in fmts or (args.quant,):
+        try:
+            actor = model if fmt == "none" else quantize_actor(model, fmt, args.fp8_kernel)
+        except QurlError as e:  # bitsandbytes missing: bench the other formats
+            notice(f"bench: skipping {fmt} ({e})")
+            continue
         for batch in (int(b) for b in args.bench_batch.split(",")):
-            prompts = [format_prompt(problems[i % len(problems)]["question"], tok) for i in range(batch)]
-            gen = torch.Generator(device=device).manual_seed(args.seed)
-            run = lambda: sample(actor, tok, prompts, 1, args.bench_len, 1.0, generator=gen,  # noqa: E731
-                                 ignore_eos=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            _timed(run, 1, device)
-            t, ro = _timed(run, args.bench_runs, device)
-            tok_s = float(ro.response_mask.sum()) / t
-            if fmt == "none":
-                base[batch] = tok_s
-            kernel = next((m.kernel for m in actor.modules() if isinstance(m, QuantLinear)), "nn.Linear")
-            rows.append(_report({"model": args.model_config or Path(args.model).name, "quant": fmt, "batch": batch,
-                                 "len": args.bench_len, "tok_s": tok_s,
-                                 "ratio_to_unquantized": tok_s / base[batch] if batch in base else float("nan"),
-                                 "linear_share": _linear_share(actor, run, device) / t, "kernel": kernel}, device,
-                                args.bench_out))
+            n_prompts = batch if fmts else max(1, batch // args.group_size)  # --bench-rollout: groups of G samples
+            G = batch // n_prompts
+            prompts = [format_prompt(problems[i % len(problems)]["question"], tok) for i in range(n_prompts)]
+            for temp in (1.0,) if fmts else (1.0, 0.0):
+                gen = torch.Generator(device=device).manual_seed(args.seed)
+                run = lambda: sample(actor, tok, prompts, G, args.bench_len, temp, generator=gen,  # noqa: E731
+                                     ignore_eos=ignore_eos)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                t, ro = _timed(run, args.bench_runs, device)
+                tok_s = float(ro.response_mask.sum()) / t
+                row = {"model": args.model_config or Path(args.model).name, "quant": fmt, "batch": len(prompts) * G,
+                       "len": args.bench_len, "temperature": temp, "tok_s": tok_s}
+                if fmts:
+                    base[batch] = base.get(batch, tok_s)
+                    row.update(ratio_to_unquantized=tok_s / base[batch], linear_share=_linear_share(actor, run, device)
+                               / t, kernel=next((m.kernel for m in actor.modules() if isinstance(m, QuantLinear)),
+                                                "nn.Linear"))
+                else:
+                    row.update(generate_tok_s=_generate_tok_s(actor, tok, prompts, G, temp, ignore_eos, args, device))
+                    row["ratio"] = tok_s / row["generate_tok_s"]
+                rows.append(_report(row, device, args.bench_out))
         del actor
     return rows
+
+
+def _generate_tok_s(model, tok, prompts: list[str], G: int, temp: float, ignore_eos: bool, args: Args, device):
+    """Tokens/s of transformers' model.generate on the same rows (tokens up to and including the first stop)."""
+    enc = tok([p for p in prompts for _ in range(G)], return_tensors="pt", padding=True).to(device)
+    kw = dict(do_sample=temp > 0, max_new_tokens=args.bench_len, pad_token_id=tok.pad_token_id, top_k=0, top_p=1.0,
+              **({"temperature": temp} if temp > 0 else {}), **({"min_new_tokens": args.bench_len} if ignore_eos
+                                                                  else {}))
+    t, out = _timed(lambda: model.generate(**enc, **kw), args.bench_runs, device)
+    resp = out[:, enc["input_ids"].shape[1]:]
+    if ignore_eos:
+        return resp.numel() / t
+    is_stop = torch.isin(resp, torch.tensor(stop_token_ids(model, tok), device=resp.device))
+    return float(torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, resp.shape[1]).sum()) / t
+
+
+def _linear_share(actor, run, device) -> float:
+    """Seconds one rollout spends in its decoder linears: record the input shapes they see in one rollout, then time
+    those calls apart on random inputs (no hooks stay in the timed rollout, so it is not slowed)."""
+    shapes = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: shapes.append((mod, tuple(inp[0].shape))))
+             for _, m in decoder_linears(actor)]
+    with torch.no_grad():
+        run()
+    for h in hooks:
+        h.remove()
+    xs = {shape: torch.randn(shape, device=device, dtype=next(actor.parameters()).dtype) for _, shape in shapes}
+    with torch.no_grad():
+        return _timed(lambda: [mod(xs[shape]) for mod, shape in shapes], 1, device)[0]
 
 
 def _peak_reset(device) -> float:
@@ -1760,7 +1633,7 @@ def _proc_status_kb(key: str) -> int:
     raise QurlError("--bench-memory on CPU reads /proc/self/status (Linux); run it on Linux or on a GPU")
 
 
-def _bench_learner(args: Args, device, dtype):
+def _bench_learner(args: Args, device, dtype) -> Learner:
     """A learner at bench sizes: --model-config with random weights (fp32 masters), or --model."""
     model, tok = _bench_model(args, device, torch.float32)
     prepare_actor(model.train(), args.grad_checkpointing)
@@ -1815,9 +1688,8 @@ def bench_train(args: Args) -> list[dict]:
             held = _peak_reset(device)
         m, _ = train_step(rl, args, problems, step, reward_fn=lambda text, gold: float(coin.random() < 0.5),
                           ignore_eos=True)
-        if step:
-            times.append(m["perf/step_s"])
-            tok_s.append(m["perf/rollout_tok_s"])
+        times += [m["perf/step_s"]] if step else []
+        tok_s += [m["perf/rollout_tok_s"]] if step else []
     peak = _peak_bytes(device)
     return [_report({"model": args.model_config or Path(args.model).name, "quant": args.quant,
                      "rows": args.prompts_per_step * args.group_size, "new_tokens": args.max_new_tokens,
@@ -1826,55 +1698,22 @@ def bench_train(args: Args) -> list[dict]:
                      "peak_mem_gb": peak / 2**30, "step_peak_gb": (peak - held) / 2**30}, device, args.bench_out)]
 
 
-def _linear_share(actor, run, device) -> float:
-    """Seconds one rollout spends in its decoder linears: record every input shape they see in one rollout, then
-    time those calls apart on random inputs (no hooks stay in the timed rollout, so it is not slowed)."""
-    shapes = []
-    hooks = [m.register_forward_hook(lambda mod, inp, out: shapes.append((mod, tuple(inp[0].shape))))
-             for _, m in decoder_linears(actor)]
-    with torch.no_grad():
-        run()
-    for h in hooks:
-        h.remove()
-    dtype = next(actor.parameters()).dtype
-    xs = {shape: torch.randn(shape, device=device, dtype=dtype) for _, shape in shapes}
-
-    def replay():
-        with torch.no_grad():
-            for mod, shape in shapes:
-                mod(xs[shape])
-    return _timed(replay, 1, device)[0]
-
-
-def _generated_tokens(resp: torch.Tensor, stops: list[int], ignore_eos: bool) -> float:
-    """Tokens `generate` produced per row: up to and including the first stop token."""
-    if ignore_eos:
-        return float(resp.numel())
-    is_stop = torch.isin(resp, torch.tensor(stops, device=resp.device))
-    first = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, torch.tensor(resp.shape[1]))
-    return float(first.sum())
-
-
 def dry_run(args: Args) -> None:
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     model, tok = load_model(args.model, device, dtype)
-    train_set = load_problems(args.train_data, args.train_split, args.question_field, args.answer_field,
-                              args.data_config)
-    test_set = load_problems(args.test_data, args.test_split, args.question_field, args.answer_field,
-                             args.data_config)
-    n_params = sum(p.numel() for p in model.parameters())
+    train_set, test_set = (load_problems(spec, split, args.question_field, args.answer_field, args.data_config)
+                           for spec, split in [(args.train_data, args.train_split), (args.test_data, args.test_split)])
+    n_params, dt = sum(p.numel() for p in model.parameters()), str(dtype).replace("torch.", "")
     print(json.dumps(dataclasses.asdict(args), indent=1))
-    print(f"device {device}, dtype {str(dtype).replace('torch.', '')}")
+    print(f"device {device}, dtype {dt}")
     print(f"model {args.model}: {type(model).__name__}, {n_params / 1e6:.2f}M parameters, "
-          f"{n_params * torch.finfo(dtype).bits // 8 / 2**20:.1f} MiB in {str(dtype).replace('torch.', '')}")
+          f"{n_params * torch.finfo(dtype).bits // 8 / 2**20:.1f} MiB in {dt}")
     if args.quant != "none":
-        q = quantize_actor(model, args.quant, args.fp8_kernel)
-        qb, qn = quant_bytes(q)
+        qb, qn = quant_bytes(quantize_actor(model, args.quant, args.fp8_kernel))
         print(f"quantized actor ({args.quant}): {qn / 1e6:.2f}M weights in decoder linears -> {qb / 2**20:.2f} MiB "
               f"(codes + scales, {qb / qn:.3f} B/weight; bf16 would be {2 * qn / 2**20:.2f} MiB)")
     print(f"problems: {len(train_set)} train, {len(test_set)} test")
-    print("one formatted prompt:\n" + format_prompt(train_set[0]["question"], tok)
-          + f"\n(gold: {train_set[0]['gold']})")
+    print(f"one formatted prompt:\n{format_prompt(train_set[0]['question'], tok)}\n(gold: {train_set[0]['gold']})")
 
 
 def plot_runs(run_dirs: list[str], out: str) -> None:
@@ -1890,15 +1729,13 @@ def plot_runs(run_dirs: list[str], out: str) -> None:
               ("mismatch/kl", "mismatch KL(pi_behav||pi_prox)"), ("rollout/entropy", "entropy (sampled tokens)"),
               ("clip/low", "clip/low (gradient zeroed)"), ("quant/flip_rate", "quant flip rate")]
     fig, axes = plt.subplots(2, 3, figsize=(16, 7.2))
-    axes = axes.flatten()
     for rd in run_dirs:
-        f = Path(rd) / "metrics.jsonl"
+        f, summary = Path(rd) / "metrics.jsonl", Path(rd) / "summary.json"
         if not f.is_file():
             raise QurlError(f"--plot: {f} not found (is {rd} a run folder?)")
         rows = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
-        summary = Path(rd) / "summary.json"
         start = json.loads(summary.read_text()).get("start_eval_acc") if summary.is_file() else None
-        for ax, (key, title) in zip(axes, panels):
+        for ax, (key, title) in zip(axes.flat, panels):
             pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
             if key == "eval/acc" and start is not None:  # the warm start, evaluated before step 1
                 pts = [(0, start)] + pts
@@ -1910,30 +1747,29 @@ def plot_runs(run_dirs: list[str], out: str) -> None:
                 ax.plot(*zip(*pts), label=Path(rd).name, marker="o" if key == "eval/acc" else None, markersize=3)
             ax.set_title(title)
             ax.set_xlabel("step")
-    axes[2].set_yscale("symlog", linthresh=1e-5)
-    axes[0].legend(fontsize=7)
+    axes.flat[2].set_yscale("symlog", linthresh=1e-5)
+    axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=80)
     print(f"wrote {out}")
 
 
-# ======================================================================================================================
-# main
-# ======================================================================================================================
+_format_warning = warnings.formatwarning
 
 
 def main(argv=None) -> None:
+    # the method warns with warnings.warn (copyable, filterable); the command line prints them as its other notices
+    warnings.formatwarning = lambda msg, cat, file, *rest: (f"qurl: {msg}\n" if file == __file__
+                                                             else _format_warning(msg, cat, file, *rest))
     args = parse_args(argv)
     try:
         if args.plot:
             plot_runs(args.plot, args.out)
         elif args.dry_run:
             dry_run(args)
-        elif args.bench_quant:
-            bench_quant(args)
-        elif args.bench_rollout:
-            bench_rollout(args)
+        elif args.bench_quant or args.bench_rollout:
+            bench_rollout(args, ("none", "int8", "fp8", "nf4") if args.bench_quant else None)
         elif args.bench_memory:
             bench_memory(args)
         elif args.bench_train:
