@@ -37,7 +37,7 @@ Where qurl departs from the papers, and why:
        (cosine) by default.
     5. Evaluation is greedy, of the full-precision actor (the model that is trained and saved).
 
-Run (CPU, the embedded tiny model, about 4.5 minutes on 2 cores):
+Run (CPU, the embedded tiny model; the README gives the timings and what to expect):
     python qurl.py --quant fp8
     python qurl.py --quant fp8 --dry-run          # check the config, data and model, then exit
     python qurl.py --bench-rollout --quant fp8    # our sampler vs model.generate, tokens/s
@@ -77,10 +77,11 @@ def arg(default, help: str, **kw):
 
 @dataclass
 class Args:
-    # model and data
+    # model and data files
     model: str = arg("data/tiny-qwen", "model folder or hub name (e.g. Qwen/Qwen2.5-0.5B-Instruct)")
     train_data: str = arg("data/arith_train.jsonl", "training problems: .jsonl/.json/.parquet file or hub data set")
     test_data: str = arg("data/arith_test.jsonl", "held-out problems for evaluation (file or hub data set)")
+    # hub data sets: config, splits, fields
     data_config: str | None = arg(None, "hub data set config (openai/gsm8k defaults to 'main')")
     train_split: str = arg("train", "split of a hub training set")
     test_split: str = arg("test", "split of a hub evaluation set")
@@ -92,20 +93,23 @@ class Args:
                                   "on CUDA >= 8.9, else emulation)", choices=["auto", "scaled_mm", "emulate"])
     invariant_scale: float | None = arg(None, "QuRL invariant scaling s (default 1.5 with a quantized actor, else 1)")
     align_forward: bool = arg(False, "QaRL: train through the sampler's quantizer (fake-quant, straight-through)")
-    # objective
+    # objective: the token losses (naive, tis, acr) and the KL penalty
     loss: str = arg("acr", "policy objective", choices=["naive", "tis", "acr", "tbpo"])
     eps_low: float = arg(0.2, "PPO lower clip: ratio >= 1 - eps_low")
     eps_high: float = arg(0.28, "PPO upper clip: ratio <= 1 + eps_high (DAPO clip-higher)")
     is_cap: float = arg(2.0, "truncation C of pi_prox/pi_behav (token losses) or of the sequence weight w_i (tbpo)")
+    kl_coef: float = arg(0.0, "weight of the k3 KL penalty to the initial actor (0: off, no reference model)")
+    # objective: TBPO's trust band
     tbpo_eps_low: float = arg(3e-4, "TBPO: lower edge of the band, s_i >= 1 - eps")
     tbpo_eps_high: float = arg(4e-4, "TBPO: upper edge for A >= 0, s_i <= 1 + eps")
     tbpo_eps_high_neg: float = arg(7e-4, "TBPO: upper edge of the trust band for A < 0, s_i <= 1 + eps")
     tbpo_max_mismatch: float | None = arg(None, "TBPO: also drop sequences whose w_i lies outside [1/M, M] (off)")
-    kl_coef: float = arg(0.0, "weight of the k3 KL penalty to the initial actor (0: off, no reference model)")
-    # rollout
+    # the RL loop
     steps: int = arg(900, "RL steps (one rollout batch and its updates per step)")
     prompts_per_step: int = arg(16, "distinct problems per step")
     group_size: int = arg(8, "samples per problem (GRPO group)")
+    skip_zero_adv: bool = arg(True, "leave groups whose rewards are all equal (no gradient) out of the update")
+    # sampling
     max_new_tokens: int = arg(32, "response length limit")
     temperature: float = arg(1.0, "sampling temperature (0: greedy); log-probs on both sides use logits/T")
     top_p: float = arg(1.0, "nucleus sampling; < 1 biases the importance ratio (warned)")
@@ -115,39 +119,45 @@ class Args:
     ppo_epochs: int = arg(1, "passes over each rollout batch")
     mini_batches: int = arg(1, "optimizer steps per pass (the batch is split into this many mini-batches)")
     max_grad_norm: float = arg(1.0, "gradient clipping norm")
-    skip_zero_adv: bool = arg(True, "leave groups whose rewards are all equal (no gradient) out of the update")
+    # memory (not the math)
     micro_batch: int = arg(64, "rows per forward and backward (gradient accumulation): sets memory, not the math")
     grad_checkpointing: bool = arg(False, "recompute activations in backward: less memory, about 1/3 more compute")
-    # evaluation, logging, checkpoints
+    # evaluation
     eval_every: int = arg(100, "evaluate the fp actor (greedy) every N steps, and at the end")
     eval_size: int = arg(500, "held-out problems per evaluation (0: all)")
     eval_batch: int = arg(256, "rows per evaluation batch")
     eval_k: int = arg(0, "also log eval/pass@k from k samples per problem at T = 1 (0: off; costs ~k evaluations)")
+    # logging, checkpoints, guards
     log_every: int = arg(10, "print a progress line every N steps")
     save_every: int = arg(50, "write a checkpoint every N steps (and on Ctrl-C or SIGTERM)")
     max_bad_steps: int = arg(3, "stop after this many non-finite updates in a row")
+    track: str | None = arg(None, "also log the metrics to wandb or tensorboard (installed separately)",
+                            choices=["wandb", "tensorboard"])
+    # device and seed
     seed: int = arg(1, "seeds python, torch, the data order and the sampler")
     device: str = arg("auto", "cpu, cuda or auto")
-    dtype: str = arg("auto", "compute dtype of the forwards: auto (bf16 on cuda, fp32 on cpu), float32 or bfloat16")
+    dtype: str = arg("auto", "compute dtype of the forwards: auto (bf16 on cuda, else fp32), float32 or bfloat16")
+    # the run folder
     out_dir: str = arg("runs", "where runs/<run-name>/ is written")
     run_name: str | None = arg(None, "run folder name (default: <quant>-<loss>-s<seed>)")
     resume: str | None = arg(None, "continue the run in this folder from its checkpoint")
     overwrite: bool = arg(False, "replace an existing run folder (only one qurl created)")
-    track: str | None = arg(None, "also log the metrics to wandb or tensorboard (installed separately)",
-                            choices=["wandb", "tensorboard"])
-    # other modes
+    # tools instead of training
     dry_run: bool = arg(False, "print the resolved config, model size, data and one prompt, then exit")
+    plot: list[str] | None = arg(None, "draw these run folders' metrics into --out and exit", nargs="+")
+    out: str = arg("assets/runs.png", "output file of --plot")
+    # benchmarks
     bench_rollout: bool = arg(False, "benchmark sample() against model.generate and exit")
     bench_quant: bool = arg(False, "benchmark rollout tokens/s for none/int8/fp8/nf4 (EOS ignored) and exit")
     bench_memory: bool = arg(False, "peak memory of a step's update against its rows (--bench-batch) and exit")
     bench_train: bool = arg(False, "seconds and peak memory per RL step at the real sizes (random rewards) and exit")
-    bench_out: str | None = arg(None, "also append each bench row as a JSON line to this file")
-    model_config: str | None = arg(None, "bench a published architecture with random weights instead of --model")
+    # benchmark settings
+    model_config: str | None = arg(None, "bench a published architecture with random weights instead of --model",
+                                   choices=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b", "qwen2-h512-l8"])
     bench_batch: str = arg("128", "bench batch sizes, comma separated (rows = prompts x group)")
     bench_len: int = arg(32, "bench response length")
     bench_runs: int = arg(5, "bench repetitions (the median is reported)")
-    plot: list[str] | None = arg(None, "draw these run folders' metrics into --out and exit", nargs="+")
-    out: str = arg("assets/runs.png", "output file of --plot")
+    bench_out: str | None = arg(None, "also append each bench row as a JSON line to this file")
 
 
 # ============================================ THE METHOD, 1: data format and reward (what the verifier checks) =========
@@ -1293,6 +1303,7 @@ def start_run(args: Args) -> tuple[Learner, RunState]:
     """Everything before the first step: load and check the model, the data and the run folder; build the learner
     (fp32 masters, invariant scaling, the KL reference, the rollout actor, AdamW); then create the run folder, or
     resume it, and evaluate the start. Nothing is written or deleted before every check has passed."""
+    _tracker_module(args.track)  # a missing wandb/tensorboard package fails first
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -1303,7 +1314,6 @@ def start_run(args: Args) -> tuple[Learner, RunState]:
     test_set = test_set[:args.eval_size] if args.eval_size else test_set
     check_prompt_lengths(model, tok, train_set + test_set, args.max_new_tokens)
     d = check_run_dir(args)
-    _tracker_module(args.track)  # a missing wandb/tensorboard fails here, before anything is written
     ckpt = load_checkpoint(d) if args.resume else None
     if ckpt is not None and ckpt["model_id"] != _model_id(model):
         raise QurlError(f"--resume {d}: checkpoint is of a different model ({ckpt['model_id']}) than "

@@ -52,9 +52,8 @@ def assert_one_line_error(res, *needles):
         assert n in lines[0], lines[0]
     return lines[0]
 
-
 # ======================================================================================================================
-# Data and reward
+# The method, 1: data format and reward
 # ======================================================================================================================
 REWARD_CASES = [
     ("37+48=85\n#### 85", "85", 1.0),
@@ -207,188 +206,8 @@ def test_format_prompt_plain_and_chat(tiny):
     out = qurl.format_prompt("What is 1 + 1?", Chat())
     assert out.startswith("system:") and "####" in out and out.endswith("user:What is 1 + 1?|assistant:")
 
-
-def test_cli_help_and_dry_run():
-    res = run_cli("--help")
-    assert res.returncode == 0 and "--invariant-scale" in res.stdout and "rollout actor precision" in res.stdout
-    res = run_cli("--dry-run", "--quant", "fp8")
-    assert res.returncode == 0, res.stderr
-    assert "Qwen2ForCausalLM" in res.stdout and "20000 train, 500 test" in res.stdout and "Q: What is" in res.stdout
-    assert "quantized actor (fp8)" in res.stdout
-
-
-@pytest.mark.parametrize("content,needles", [
-    ('{"question": "What is 1 + 1?", "answer": "#### 2"}\n{"question": "x", "answer": \n', [":2:", "malformed"]),
-    ("", ["no problems", "empty"]),
-    ('{"question": "What is 1 + 1?", "answer": "#### 2"}\n{"prompt": "x", "answer": "#### 1"}\n',
-     [":2:", "missing field 'question'"]),
-    ('{"question": "What is 1 + 1?", "answer": "no number here"}\n', [":1:", "does not parse"]),
-])
-def test_bad_data_file(tmp_path, content, needles):
-    f = tmp_path / "bad.jsonl"
-    f.write_text(content)
-    assert_one_line_error(run_cli("--dry-run", "--train-data", str(f)), str(f), *needles)
-
-
-@pytest.mark.parametrize("suffix,content", [(".parquet", b"not a parquet file"), (".json", b"{not json")])
-def test_corrupt_parquet_or_json_one_line(tmp_path, suffix, content):
-    f = tmp_path / f"bad{suffix}"
-    f.write_bytes(content)
-    assert_one_line_error(run_cli("--dry-run", "--train-data", str(f)), str(f), "cannot be read")
-
-
-def test_missing_data_file(tmp_path):
-    assert_one_line_error(run_cli("--dry-run", "--train-data", str(tmp_path / "nope.jsonl")), "not found")
-
-
 # ======================================================================================================================
-# Rollout and log-probs
-# ======================================================================================================================
-def _mixed_prompts(tok, problems, k=6):
-    prompts = [qurl.format_prompt(p["question"], tok) for p in problems[:k]]
-    prompts[0] = "Q: What is 1 + 2?\nA: "  # a short prompt among long ones: real left padding
-    assert len(set(len(p) for p in prompts)) > 1
-    return prompts
-
-
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logp_behav_equals_teacher_forced(tiny, problems, temperature):
-    model, tok = tiny
-    prompts = _mixed_prompts(tok, problems)
-    ro = qurl.sample(model, tok, prompts, n=4, max_new_tokens=32, temperature=temperature,
-                     generator=torch.Generator().manual_seed(0))
-    assert (ro.attention_mask[:, :ro.prompt_len] == 0).any()  # some rows are left-padded
-    lp = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask, temperature, micro_batch=7)
-    diff = ((lp - ro.logp_behav) * ro.response_mask).abs().max().item()
-    assert diff < 1e-5, diff
-    assert ro.response_mask.sum() > 100
-
-
-def test_greedy_matches_generate(tiny, problems):
-    model, tok = tiny
-    prompts = _mixed_prompts(tok, problems, k=32)
-    ro = qurl.sample(model, tok, prompts, n=1, max_new_tokens=32, temperature=0)
-    enc = tok(prompts, return_tensors="pt", padding=True)
-    out = model.generate(**enc, do_sample=False, max_new_tokens=32, pad_token_id=tok.pad_token_id)
-    ref = out[:, enc["input_ids"].shape[1]:]
-    for i in range(len(prompts)):
-        L = int(ro.response_mask[i].sum())
-        assert ro.input_ids[i, ro.prompt_len:ro.prompt_len + L].tolist() == ref[i, :L].tolist()
-        assert ref[i, L - 1] == tok.eos_token_id or L == 32
-
-
-def test_eos_mask_by_position(tiny, problems):
-    model, tok = tiny
-    ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 8), n=8, max_new_tokens=40, temperature=1.0,
-                     generator=torch.Generator().manual_seed(3))
-    resp = ro.input_ids[:, ro.prompt_len:]
-    lengths = ro.response_mask.sum(1).long()
-    assert lengths.min() < lengths.max()  # rows finished at different steps (some were dropped early)
-    eos = tok.eos_token_id
-    for i in range(resp.shape[0]):
-        L = int(lengths[i])
-        assert ro.response_mask[i, :L].eq(1).all() and ro.response_mask[i, L:].eq(0).all()
-        if not ro.truncated[i]:
-            assert resp[i, L - 1] == eos                     # the EOS itself is in the mask (pad == eos)
-            assert eos not in resp[i, :L - 1].tolist()      # and it is the first one
-            assert ro.logp_behav[i, L - 1] < 0              # with its log-prob recorded
-        assert ro.logp_behav[i, L:].eq(0).all()
-    assert not ro.truncated.all()
-
-
-def test_same_seed_same_samples(tiny, problems):
-    model, tok = tiny
-    prompts = _mixed_prompts(tok, problems, 4)
-    a, b, c = (qurl.sample(model, tok, prompts, n=4, max_new_tokens=24, generator=torch.Generator().manual_seed(s))
-               for s in (5, 5, 6))
-    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.logp_behav, b.logp_behav)
-    assert a.input_ids.shape != c.input_ids.shape or not torch.equal(a.input_ids, c.input_ids)
-
-
-def test_first_token_distribution(tiny):
-    """8000 first tokens vs softmax(logits / T): every frequent token within 5 sigma and the total variation small,
-    while the distribution at the wrong temperature is clearly rejected."""
-    model, tok = tiny
-    prompt, T, N = "Q: What is 57 * 8?\nA: 57*8=", 2.0, 8000  # the first digit of the product is uncertain
-    ro = qurl.sample(model, tok, [prompt], n=N, max_new_tokens=1, temperature=T,
-                     generator=torch.Generator().manual_seed(0))
-    first = ro.input_ids[:, ro.prompt_len]
-    emp = torch.bincount(first, minlength=len(tok)).double() / N
-    with torch.no_grad():
-        logits = model(**tok([prompt], return_tensors="pt")).logits[0, -1].double()
-    p = torch.softmax(logits / T, -1)
-    assert p.max() < 0.8 and (p > 0.02).sum() >= 3  # a spread distribution: the test cannot pass by accident
-    sigma = (p * (1 - p) / N).sqrt()
-    big = p > 0.005
-    assert ((emp - p).abs()[big] <= 5 * sigma[big]).all()
-    def tv(a, b):  # total variation over the frequent tokens plus one bucket for the long tail
-        return 0.5 * ((a - b).abs()[big].sum() + (a[~big].sum() - b[~big].sum()).abs()).item()
-    tv, tv_wrong = tv(emp, p), tv(emp, torch.softmax(logits, -1))
-    assert tv < 0.03 and tv_wrong > 3 * tv, (tv, tv_wrong)
-
-
-def test_top_p_samples_inside_the_nucleus_with_renormalized_logp(tiny, problems):
-    model, tok = tiny
-    prompts = _mixed_prompts(tok, problems, 4)
-    ro = qurl.sample(model, tok, prompts, n=16, max_new_tokens=12, temperature=1.3, top_p=0.7,
-                     generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():  # teacher-forced logits of every response position, independent of the sampler
-        logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask,
-                       position_ids=(ro.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits.double()
-    P, checked, truncated = ro.prompt_len, 0, 0
-    for i in range(ro.input_ids.shape[0]):
-        for r in range(int(ro.response_mask[i].sum())):
-            p = torch.softmax(logits[i, P + r - 1] / 1.3, -1)
-            order = p.argsort(descending=True)
-            before = p[order].cumsum(0) - p[order]           # mass of the tokens ranked above each token
-            nucleus = order[before < 0.7]                     # the smallest set with mass >= 0.7
-            tok_id = int(ro.input_ids[i, P + r])
-            assert tok_id in nucleus.tolist()
-            want = math.log(p[tok_id] / p[nucleus].sum())    # renormalized inside the nucleus
-            assert abs(ro.logp_behav[i, r].item() - want) < 1e-4
-            checked += 1
-            truncated += len(nucleus) < (p > 1e-6).sum()
-    assert checked > 200 and truncated > 20  # the nucleus really cut the distribution at many positions
-
-
-def test_sample_pads_left_whatever_the_tokenizer_says(tiny, problems):
-    import copy
-    model, tok = tiny
-    right = copy.deepcopy(tok)
-    right.padding_side = "right"
-    prompts = _mixed_prompts(tok, problems, 4)
-    a, b = (qurl.sample(model, t, prompts, n=2, max_new_tokens=8, generator=torch.Generator().manual_seed(1))
-            for t in (tok, right))
-    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.logp_behav, b.logp_behav)
-
-
-def test_pass_at_k_by_hand(tiny, problems):
-    assert qurl.pass_at_k(10, 3, 5) == pytest.approx(1 - 21 / 252)   # 1 - C(7,5)/C(10,5)
-    assert qurl.pass_at_k(8, 0, 8) == 0.0 and qurl.pass_at_k(8, 1, 8) == 1.0 and qurl.pass_at_k(5, 2, 1) == 0.4
-    model, tok = tiny
-    r = qurl.evaluate(model, tok, problems[:40], batch_size=16, k=4, seed=3)
-    # recount: the same draws (generator seeded the same, same batches of 16 // 4 = 4 problems) by reward
-    gen, solved = torch.Generator().manual_seed(3), 0
-    for i in range(0, 40, 16):
-        chunk = problems[i:min(i + 16, 40)]
-        for j in range(0, len(chunk), 4):
-            sub = chunk[j:j + 4]
-            ro = qurl.sample(model, tok, [qurl.format_prompt(p["question"], tok) for p in sub], n=4, max_new_tokens=32,
-                             temperature=1.0, generator=gen)
-            hits = [qurl.reward(t, p["gold"]) for t, p in zip(ro.texts, (p for p in sub for _ in range(4)))]
-            solved += sum(any(hits[4 * q:4 * q + 4]) for q in range(len(sub)))
-    assert r["pass@4"] == solved / 40 and r["pass@4"] >= r["acc"] - 0.1
-
-
-def test_evaluate_reproduces_warmup_record(tiny, problems):
-    model, tok = tiny
-    rec = json.loads((HERE / "data/tiny-qwen/warmup.json").read_text())
-    acc = qurl.evaluate(model, tok, problems, max_new_tokens=rec["max_new_tokens"], batch_size=100)["acc"]
-    assert abs(acc - rec["heldout_acc_500"]) <= 2 / 500, (acc, rec["heldout_acc_500"])
-
-
-# ======================================================================================================================
-# Quantization
+# The method, 2: quantization (against bitsandbytes' own dequantize, a hand NF4 table and a plain fp32 linear)
 # ======================================================================================================================
 def _realistic_linear(K=512, N=256, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -437,6 +256,15 @@ def test_fp8_scaled_mm_and_emulation_agree():
         lin.weight.mul_(-0.5)
     c.load_weight(lin.weight)
     torch.testing.assert_close(c(x), qurl.QuantLinear(lin, "fp8", "scaled_mm")(x), rtol=1e-5, atol=1e-6)
+
+
+def test_fp8_without_scaled_mm_falls_back_with_notice(monkeypatch):
+    monkeypatch.delattr(torch, "_scaled_mm")
+    lin, x = _realistic_linear()
+    with pytest.warns(UserWarning, match="dequantize-and-matmul"):
+        q = qurl.QuantLinear(lin, "fp8", "scaled_mm")
+    assert q.kernel == "emulate"
+    assert _rel_err(q(x) - lin.bias, lin(x) - lin.bias) < 0.05
 
 
 def test_quantize_fp8_clamps_and_scales():
@@ -632,19 +460,138 @@ def test_aligned_forward_matches_quantized_actor(tiny, problems, fmt, autocast):
         torch.testing.assert_close(model(**enc).logits, lf)  # the context restored the plain forward
 
 
+def test_missing_or_old_bitsandbytes(monkeypatch, tiny):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    with pytest.raises(qurl.QurlError, match="needs bitsandbytes >= 0.46.*--quant fp8"):
+        qurl.quantize_actor(tiny[0], "int8")
+    import types
+    monkeypatch.setitem(sys.modules, "bitsandbytes", types.SimpleNamespace(__version__="0.45.5"))
+    with pytest.raises(qurl.QurlError, match="found 0.45.5"):
+        qurl.quantize_actor(tiny[0], "int8")
+
 # ======================================================================================================================
-# Advantages and losses (hand-computed references)
+# The method, 3 and 4: rollout and log-probs (against teacher-forced log-probs and model.generate)
 # ======================================================================================================================
-def test_lr_schedule_cosine_by_hand():
-    assert qurl.lr_at(1, 900, 1e-4, "cosine") == pytest.approx(1e-4)              # cos(0) = 1: the full rate first
-    assert qurl.lr_at(451, 900, 1e-4, "cosine") == pytest.approx(0.5e-4)          # cos(pi/2) = 0: half way
-    assert qurl.lr_at(901, 900, 1e-4, "cosine") == pytest.approx(0.0, abs=1e-20)  # cos(pi) = -1
-    assert qurl.lr_at(226, 900, 1e-4, "cosine") == pytest.approx(0.5e-4 * (1 + math.sqrt(0.5)))  # cos(pi/4)
-    assert all(qurl.lr_at(k, 10, 3e-4, "constant") == 3e-4 for k in range(1, 11))
-    lrs = [qurl.lr_at(k, 50, 1e-4, "cosine") for k in range(1, 51)]
-    assert all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] < 1e-6
+def _mixed_prompts(tok, problems, k=6):
+    prompts = [qurl.format_prompt(p["question"], tok) for p in problems[:k]]
+    prompts[0] = "Q: What is 1 + 2?\nA: "  # a short prompt among long ones: real left padding
+    assert len(set(len(p) for p in prompts)) > 1
+    return prompts
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logp_behav_equals_teacher_forced(tiny, problems, temperature):
+    model, tok = tiny
+    prompts = _mixed_prompts(tok, problems)
+    ro = qurl.sample(model, tok, prompts, n=4, max_new_tokens=32, temperature=temperature,
+                     generator=torch.Generator().manual_seed(0))
+    assert (ro.attention_mask[:, :ro.prompt_len] == 0).any()  # some rows are left-padded
+    lp = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask, temperature, micro_batch=7)
+    diff = ((lp - ro.logp_behav) * ro.response_mask).abs().max().item()
+    assert diff < 1e-5, diff
+    assert ro.response_mask.sum() > 100
+
+
+def test_greedy_matches_generate(tiny, problems):
+    model, tok = tiny
+    prompts = _mixed_prompts(tok, problems, k=32)
+    ro = qurl.sample(model, tok, prompts, n=1, max_new_tokens=32, temperature=0)
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    out = model.generate(**enc, do_sample=False, max_new_tokens=32, pad_token_id=tok.pad_token_id)
+    ref = out[:, enc["input_ids"].shape[1]:]
+    for i in range(len(prompts)):
+        L = int(ro.response_mask[i].sum())
+        assert ro.input_ids[i, ro.prompt_len:ro.prompt_len + L].tolist() == ref[i, :L].tolist()
+        assert ref[i, L - 1] == tok.eos_token_id or L == 32
+
+
+def test_eos_mask_by_position(tiny, problems):
+    model, tok = tiny
+    ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 8), n=8, max_new_tokens=40, temperature=1.0,
+                     generator=torch.Generator().manual_seed(3))
+    resp = ro.input_ids[:, ro.prompt_len:]
+    lengths = ro.response_mask.sum(1).long()
+    assert lengths.min() < lengths.max()  # rows finished at different steps (some were dropped early)
+    eos = tok.eos_token_id
+    for i in range(resp.shape[0]):
+        L = int(lengths[i])
+        assert ro.response_mask[i, :L].eq(1).all() and ro.response_mask[i, L:].eq(0).all()
+        if not ro.truncated[i]:
+            assert resp[i, L - 1] == eos                     # the EOS itself is in the mask (pad == eos)
+            assert eos not in resp[i, :L - 1].tolist()      # and it is the first one
+            assert ro.logp_behav[i, L - 1] < 0              # with its log-prob recorded
+        assert ro.logp_behav[i, L:].eq(0).all()
+    assert not ro.truncated.all()
+
+
+def test_same_seed_same_samples(tiny, problems):
+    model, tok = tiny
+    prompts = _mixed_prompts(tok, problems, 4)
+    a, b, c = (qurl.sample(model, tok, prompts, n=4, max_new_tokens=24, generator=torch.Generator().manual_seed(s))
+               for s in (5, 5, 6))
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.logp_behav, b.logp_behav)
+    assert a.input_ids.shape != c.input_ids.shape or not torch.equal(a.input_ids, c.input_ids)
+
+
+def test_first_token_distribution(tiny):
+    """8000 first tokens vs softmax(logits / T): every frequent token within 5 sigma and the total variation small,
+    while the distribution at the wrong temperature is clearly rejected."""
+    model, tok = tiny
+    prompt, T, N = "Q: What is 57 * 8?\nA: 57*8=", 2.0, 8000  # the first digit of the product is uncertain
+    ro = qurl.sample(model, tok, [prompt], n=N, max_new_tokens=1, temperature=T,
+                     generator=torch.Generator().manual_seed(0))
+    first = ro.input_ids[:, ro.prompt_len]
+    emp = torch.bincount(first, minlength=len(tok)).double() / N
+    with torch.no_grad():
+        logits = model(**tok([prompt], return_tensors="pt")).logits[0, -1].double()
+    p = torch.softmax(logits / T, -1)
+    assert p.max() < 0.8 and (p > 0.02).sum() >= 3  # a spread distribution: the test cannot pass by accident
+    sigma = (p * (1 - p) / N).sqrt()
+    big = p > 0.005
+    assert ((emp - p).abs()[big] <= 5 * sigma[big]).all()
+    def tv(a, b):  # total variation over the frequent tokens plus one bucket for the long tail
+        return 0.5 * ((a - b).abs()[big].sum() + (a[~big].sum() - b[~big].sum()).abs()).item()
+    tv, tv_wrong = tv(emp, p), tv(emp, torch.softmax(logits, -1))
+    assert tv < 0.03 and tv_wrong > 3 * tv, (tv, tv_wrong)
+
+
+def test_top_p_samples_inside_the_nucleus_with_renormalized_logp(tiny, problems):
+    model, tok = tiny
+    prompts = _mixed_prompts(tok, problems, 4)
+    ro = qurl.sample(model, tok, prompts, n=16, max_new_tokens=12, temperature=1.3, top_p=0.7,
+                     generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # teacher-forced logits of every response position, independent of the sampler
+        logits = model(input_ids=ro.input_ids, attention_mask=ro.attention_mask,
+                       position_ids=(ro.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits.double()
+    P, checked, truncated = ro.prompt_len, 0, 0
+    for i in range(ro.input_ids.shape[0]):
+        for r in range(int(ro.response_mask[i].sum())):
+            p = torch.softmax(logits[i, P + r - 1] / 1.3, -1)
+            order = p.argsort(descending=True)
+            before = p[order].cumsum(0) - p[order]           # mass of the tokens ranked above each token
+            nucleus = order[before < 0.7]                     # the smallest set with mass >= 0.7
+            tok_id = int(ro.input_ids[i, P + r])
+            assert tok_id in nucleus.tolist()
+            want = math.log(p[tok_id] / p[nucleus].sum())    # renormalized inside the nucleus
+            assert abs(ro.logp_behav[i, r].item() - want) < 1e-4
+            checked += 1
+            truncated += len(nucleus) < (p > 1e-6).sum()
+    assert checked > 200 and truncated > 20  # the nucleus really cut the distribution at many positions
+
+
+def test_sample_pads_left_whatever_the_tokenizer_says(tiny, problems):
+    import copy
+    model, tok = tiny
+    right = copy.deepcopy(tok)
+    right.padding_side = "right"
+    prompts = _mixed_prompts(tok, problems, 4)
+    a, b = (qurl.sample(model, t, prompts, n=2, max_new_tokens=8, generator=torch.Generator().manual_seed(1))
+            for t in (tok, right))
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.logp_behav, b.logp_behav)
+
+# ======================================================================================================================
+# The method, 5: advantages and losses (hand-computed references and an independent oracle)
+# ======================================================================================================================
 def test_group_advantages():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
     adv, zero = qurl.group_advantages(r, 4)
@@ -656,8 +603,14 @@ def test_group_advantages():
 
 
 LP_BEHAV = [[-1.0, -1.0], [-1.0, -2.0]]
+
+
 LP_PROX = [[-0.5, -1.0], [-1.0, -1.0]]
+
+
 LP = [[-0.2, -1.2], [-1.5, -1.0]]
+
+
 ADV = [1.0, -1.0]
 
 
@@ -867,6 +820,18 @@ def test_on_policy_call_trains(kind):
     assert lp.grad.abs().sum() > 0
     torch.testing.assert_close(lp.grad, lo.grad, rtol=1e-6, atol=1e-9)
 
+# ======================================================================================================================
+# The method, 6: one RL step (gradient accumulation, mini-batches, the learning rate)
+# ======================================================================================================================
+def test_lr_schedule_cosine_by_hand():
+    assert qurl.lr_at(1, 900, 1e-4, "cosine") == pytest.approx(1e-4)              # cos(0) = 1: the full rate first
+    assert qurl.lr_at(451, 900, 1e-4, "cosine") == pytest.approx(0.5e-4)          # cos(pi/2) = 0: half way
+    assert qurl.lr_at(901, 900, 1e-4, "cosine") == pytest.approx(0.0, abs=1e-20)  # cos(pi) = -1
+    assert qurl.lr_at(226, 900, 1e-4, "cosine") == pytest.approx(0.5e-4 * (1 + math.sqrt(0.5)))  # cos(pi/4)
+    assert all(qurl.lr_at(k, 10, 3e-4, "constant") == 3e-4 for k in range(1, 11))
+    lrs = [qurl.lr_at(k, 50, 1e-4, "cosine") for k in range(1, 51)]
+    assert all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] < 1e-6
+
 
 class _CaptureGrads(torch.optim.Optimizer):
     """An optimizer that records the gradient it is asked to step on, and changes nothing."""
@@ -935,8 +900,19 @@ def test_update_forwards_at_most_micro_batch_rows(tiny, problems):
     assert max(seen) <= 5 and sum(seen) == 2 * 16  # two epochs over 16 rows, never more than 5 at once
 
 
+def test_step_without_trainable_rows_logs_null_and_measures_the_sampler(tiny, problems):
+    import copy
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    actor = qurl.quantize_actor(model, "fp8")
+    rl = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-4), actor, tok, torch.Generator(),
+                      torch.float32)
+    args = qurl.Args(quant="fp8", prompts_per_step=4, group_size=4, max_new_tokens=16)
+    m, _ = qurl.train_step(rl, args, problems[:4], 1, reward_fn=lambda text, gold: 0.0)  # every group all-equal
+    assert m["reward/zero_std_groups"] == 4 and m["loss/policy"] is None and m["clip/low"] is None
+    assert m["mismatch/kl"] > 0 and m["mismatch/ratio_max"] > 1   # measured on every row, before the filter
+
 # ======================================================================================================================
-# Training loop
+# The method, 7: the training loop and evaluation
 # ======================================================================================================================
 def _small_args(tmp_path, **kw):
     base = dict(steps=2, prompts_per_step=4, group_size=4, max_new_tokens=24, eval_every=2, eval_size=20,
@@ -957,7 +933,7 @@ def test_end_to_end(tmp_path, tiny, quant, loss, extra):
     rows = [json.loads(l) for l in (tmp_path / "r/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        assert set(qurl.METRIC_KEYS) <= set(r), set(qurl.METRIC_KEYS) - set(r)
+        assert set(r) == set(qurl.METRIC_KEYS), set(r) ^ set(qurl.METRIC_KEYS)  # every metric, and only those
         assert all(v is None or math.isfinite(v) for v in r.values())
     assert rows[-1]["eval/acc"] is not None
     assert [r["opt/lr"] for r in rows] == pytest.approx([args.lr, args.lr / 2])  # cosine, 2 steps: cos(0), cos(pi/2)
@@ -993,16 +969,98 @@ def test_bf16_keeps_small_updates_and_final_is_a_standard_checkpoint(tmp_path, t
         assert _rel_err(f3(**enc).logits, actor(**enc).logits) < 1e-5
 
 
-def test_step_without_trainable_rows_logs_null_and_measures_the_sampler(tiny, problems):
-    import copy
-    model, tok = copy.deepcopy(tiny[0]), tiny[1]
-    actor = qurl.quantize_actor(model, "fp8")
-    rl = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-4), actor, tok, torch.Generator(),
-                      torch.float32)
-    args = qurl.Args(quant="fp8", prompts_per_step=4, group_size=4, max_new_tokens=16)
-    m, _ = qurl.train_step(rl, args, problems[:4], 1, reward_fn=lambda text, gold: 0.0)  # every group all-equal
-    assert m["reward/zero_std_groups"] == 4 and m["loss/policy"] is None and m["clip/low"] is None
-    assert m["mismatch/kl"] > 0 and m["mismatch/ratio_max"] > 1   # measured on every row, before the filter
+def test_non_finite_updates_are_skipped_then_stop(tmp_path, tiny, monkeypatch):
+    real = qurl.policy_loss
+
+    def nan_loss(*a, **k):
+        loss, m = real(*a, **k)
+        return loss * float("nan"), m
+    monkeypatch.setattr(qurl, "policy_loss", nan_loss)
+    args = _small_args(tmp_path, run_name="nan", steps=6, quant="none", max_bad_steps=2, prompts_per_step=8,
+                       skip_zero_adv=False)
+    with pytest.raises(qurl.QurlError, match="non-finite"):
+        qurl.train(args)
+    rows = _metrics(tmp_path / "nan/metrics.jsonl")
+    assert rows[0]["guard/skipped"] == 1
+    state = torch.load(tmp_path / "nan/ckpt/state.pt", weights_only=False)  # the last good checkpoint (step 1)
+    init = tiny[0].state_dict()
+    assert state["step"] == 1 and all(torch.equal(state["model"][k], init[k]) for k in init)
+
+
+def test_pass_at_k_by_hand(tiny, problems):
+    assert qurl.pass_at_k(10, 3, 5) == pytest.approx(1 - 21 / 252)   # 1 - C(7,5)/C(10,5)
+    assert qurl.pass_at_k(8, 0, 8) == 0.0 and qurl.pass_at_k(8, 1, 8) == 1.0 and qurl.pass_at_k(5, 2, 1) == 0.4
+    model, tok = tiny
+    r = qurl.evaluate(model, tok, problems[:40], batch_size=16, k=4, seed=3)
+    # recount: the same draws (generator seeded the same, same batches of 16 // 4 = 4 problems) by reward
+    gen, solved = torch.Generator().manual_seed(3), 0
+    for i in range(0, 40, 16):
+        chunk = problems[i:min(i + 16, 40)]
+        for j in range(0, len(chunk), 4):
+            sub = chunk[j:j + 4]
+            ro = qurl.sample(model, tok, [qurl.format_prompt(p["question"], tok) for p in sub], n=4, max_new_tokens=32,
+                             temperature=1.0, generator=gen)
+            hits = [qurl.reward(t, p["gold"]) for t, p in zip(ro.texts, (p for p in sub for _ in range(4)))]
+            solved += sum(any(hits[4 * q:4 * q + 4]) for q in range(len(sub)))
+    assert r["pass@4"] == solved / 40 and r["pass@4"] >= r["acc"] - 0.1
+
+
+def test_evaluate_reproduces_warmup_record(tiny, problems):
+    model, tok = tiny
+    rec = json.loads((HERE / "data/tiny-qwen/warmup.json").read_text())
+    acc = qurl.evaluate(model, tok, problems, max_new_tokens=rec["max_new_tokens"], batch_size=100)["acc"]
+    assert abs(acc - rec["heldout_acc_500"]) <= 2 / 500, (acc, rec["heldout_acc_500"])
+
+# ======================================================================================================================
+# Appendix A: plumbing (bad input, run folders, checkpoints and resume, signals, run tracking)
+# ======================================================================================================================
+@pytest.mark.parametrize("content,needles", [
+    ('{"question": "What is 1 + 1?", "answer": "#### 2"}\n{"question": "x", "answer": \n', [":2:", "malformed"]),
+    ("", ["no problems", "empty"]),
+    ('{"question": "What is 1 + 1?", "answer": "#### 2"}\n{"prompt": "x", "answer": "#### 1"}\n',
+     [":2:", "missing field 'question'"]),
+    ('{"question": "What is 1 + 1?", "answer": "no number here"}\n', [":1:", "does not parse"]),
+])
+def test_bad_data_file(tmp_path, content, needles):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(content)
+    assert_one_line_error(run_cli("--dry-run", "--train-data", str(f)), str(f), *needles)
+
+
+@pytest.mark.parametrize("suffix,content", [(".parquet", b"not a parquet file"), (".json", b"{not json")])
+def test_corrupt_parquet_or_json_one_line(tmp_path, suffix, content):
+    f = tmp_path / f"bad{suffix}"
+    f.write_bytes(content)
+    assert_one_line_error(run_cli("--dry-run", "--train-data", str(f)), str(f), "cannot be read")
+
+
+def test_missing_data_file(tmp_path):
+    assert_one_line_error(run_cli("--dry-run", "--train-data", str(tmp_path / "nope.jsonl")), "not found")
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--bogus-flag"], ["unrecognized arguments: --bogus-flag"]),
+    (["--lr", "abc"], ["--lr", "invalid float value"]),
+    (["--group-size", "1"], ["--group-size must be >= 2"]),
+    (["--temperature", "-1"], ["--temperature must be >= 0"]),
+    (["--eps-low", "1.5"], ["--eps-low must be in [0, 1)"]),
+    (["--invariant-scale", "0"], ["--invariant-scale must be > 0"]),
+    (["--is-cap", "0.5"], ["--is-cap must be >= 1"]),
+    (["--quant", "int4"], ["invalid choice: 'int4'"]),
+    (["--dry-run", "--model", "no/such/dir"], ["model not found"]),
+    (["--dry-run", "--model", "Qwen/Qwen2.5-0.5B-Instruct"], ["offline", "data/tiny-qwen"]),
+    (["--dry-run", "--train-data", "openai/gsm8k"], ["offline", "local"]),
+    (["--device", "cuda", "--dry-run"], ["CUDA was requested"]),
+    (["--align-forward", "--quant", "none"], ["--align-forward needs a quantizer"]),
+    (["--run-name", "..", "--overwrite"], ["--run-name must be one folder name"]),
+    (["--temperature", "0"], ["--temperature 0 (greedy) cannot train"]),
+    (["--dtype", "float16"], ["--dtype float16 is not supported", "bfloat16"]),
+])
+def test_bad_cli_input_one_line(tmp_path, argv, needles):
+    if "CUDA was requested" in needles and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    # an empty Hugging Face cache: a machine that once downloaded the hub model or data set must still see "offline"
+    assert_one_line_error(run_cli(*argv, HF_HOME=str(tmp_path / "hf")), *needles)
 
 
 @pytest.mark.parametrize("argv,expect", [
@@ -1018,9 +1076,85 @@ def test_flags_that_do_not_act_say_so(capsys, argv, expect):
     assert "pi_theta = pi_prox" not in capsys.readouterr().err
 
 
-# ======================================================================================================================
-# Reliability: checkpoints, resume, bad input, numeric guards
-# ======================================================================================================================
+def _tree(root):
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(Path(root).rglob("*"))}
+
+
+@pytest.mark.parametrize("name", ["..", "../x", "a/b", "", ".", "a\\b"])
+def test_run_name_is_one_folder_inside_out_dir(tmp_path, capsys, name):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "mine.txt").write_text("the user's")
+    before = _tree(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        qurl.main(["--out-dir", str(tmp_path / "runs"), "--run-name", name, "--overwrite", "--steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "--run-name must be one folder name" in err[0], err
+    assert _tree(tmp_path) == before  # nothing created, nothing deleted
+
+
+def test_overwrite_deletes_only_qurl_runs(tmp_path, monkeypatch):
+    out = tmp_path / "X" / "runs"
+    notes = out / "notes"
+    (notes / "sub").mkdir(parents=True)
+    (notes / "todo.txt").write_text("mine")
+    (notes / "sub" / "data.csv").write_text("1,2")
+    (tmp_path / "X" / "beside.txt").write_text("mine too")
+    before = _tree(tmp_path)
+    args = _small_args(out, run_name="notes", overwrite=True, quant="none", steps=1)
+    with pytest.raises(qurl.QurlError, match="not a qurl run folder.*todo.txt.*will not delete"):
+        qurl.train(args)
+    assert _tree(tmp_path) == before
+    # a qurl run is replaced, but only after every check of the new run has passed
+    qurl.train(_small_args(out, run_name="r", quant="none", steps=1))
+    (out / "r" / "user_note.txt").write_text("added by hand")
+    assert (out / "r" / qurl.RUN_MARKER).is_file()
+    kept = _tree(tmp_path)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # the new run fails in set-up, after the folder checks
+    with pytest.raises(qurl.QurlError, match="needs bitsandbytes"):
+        qurl.train(_small_args(out, run_name="r", overwrite=True, quant="int8", loss="acr", steps=1))
+    assert _tree(tmp_path) == kept
+    monkeypatch.undo()
+    qurl.train(_small_args(out, run_name="r", overwrite=True, quant="none", steps=1))
+    assert not (out / "r" / "user_note.txt").exists()
+    # everything any of these runs wrote lies inside --out-dir
+    assert {p for p in _tree(tmp_path) if not p.startswith("X/runs/r")} == set(before)
+
+
+def test_run_dir_rules(tmp_path, tiny):
+    long_q = tmp_path / "long.jsonl"
+    long_q.write_text(json.dumps({"question": "What is " + "1 + " * 80 + "1?", "answer": "#### 81"}) + "\n")
+    out = str(tmp_path / "runs")
+    common = ["--out-dir", out, "--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-size", "4",
+              "--quant", "none"]
+    assert_one_line_error(run_cli(*common, "--train-data", str(long_q), "--run-name", "long"),
+                          "exceeds the model's context")
+    assert not (Path(out) / "long").exists()  # refused before anything was written
+    assert run_cli(*common, "--run-name", "a").returncode == 0
+    before = (Path(out) / "a/metrics.jsonl").read_text()
+    assert_one_line_error(run_cli(*common, "--run-name", "a"), "already exists", "--resume")
+    assert (Path(out) / "a/metrics.jsonl").read_text() == before  # nothing overwritten
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    assert_one_line_error(run_cli(*common, "--resume", str(empty)), "no checkpoint")
+    (empty / "args.json").write_text((Path(out) / "a/args.json").read_text())
+    assert_one_line_error(run_cli(*common, "--resume", str(empty)), "no checkpoint")
+    # --resume alone continues with the run's saved flags (here --quant none, 2 prompts); typed flags override
+    res = run_cli("--resume", str(Path(out) / "a"), "--steps", "2")
+    assert res.returncode == 0, res.stderr
+    rows = _metrics(Path(out) / "a/metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["quant/flip_rate"] == 0.0
+    assert rows[1]["rollout/len_mean"] > 0 and json.loads((Path(out) / "a/summary.json").read_text())["steps"] == 2
+    ck = torch.load(Path(out) / "a/ckpt/state.pt", weights_only=False)
+    ck["model_id"]["hidden"] = 999
+    (tmp_path / "other/ckpt").mkdir(parents=True)
+    torch.save(ck, tmp_path / "other/ckpt/state.pt")
+    (tmp_path / "other/args.json").write_text((Path(out) / "a/args.json").read_text())
+    assert_one_line_error(run_cli(*common, "--resume", str(tmp_path / "other")), "different model")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    assert_one_line_error(run_cli(*common, "--out-dir", str(blocker / "sub")), "cannot write")
+
+
 def _metrics(path):
     rows = [json.loads(l) for l in Path(path).read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
@@ -1092,50 +1226,6 @@ def test_second_signal_aborts_at_once():
         assert e.value.code == 143
 
 
-def _tree(root):
-    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(Path(root).rglob("*"))}
-
-
-@pytest.mark.parametrize("name", ["..", "../x", "a/b", "", ".", "a\\b"])
-def test_run_name_is_one_folder_inside_out_dir(tmp_path, capsys, name):
-    (tmp_path / "runs").mkdir()
-    (tmp_path / "mine.txt").write_text("the user's")
-    before = _tree(tmp_path)
-    with pytest.raises(SystemExit) as e:
-        qurl.main(["--out-dir", str(tmp_path / "runs"), "--run-name", name, "--overwrite", "--steps", "1"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and "--run-name must be one folder name" in err[0], err
-    assert _tree(tmp_path) == before  # nothing created, nothing deleted
-
-
-def test_overwrite_deletes_only_qurl_runs(tmp_path, monkeypatch):
-    out = tmp_path / "X" / "runs"
-    notes = out / "notes"
-    (notes / "sub").mkdir(parents=True)
-    (notes / "todo.txt").write_text("mine")
-    (notes / "sub" / "data.csv").write_text("1,2")
-    (tmp_path / "X" / "beside.txt").write_text("mine too")
-    before = _tree(tmp_path)
-    args = _small_args(out, run_name="notes", overwrite=True, quant="none", steps=1)
-    with pytest.raises(qurl.QurlError, match="not a qurl run folder.*todo.txt.*will not delete"):
-        qurl.train(args)
-    assert _tree(tmp_path) == before
-    # a qurl run is replaced, but only after every check of the new run has passed
-    qurl.train(_small_args(out, run_name="r", quant="none", steps=1))
-    (out / "r" / "user_note.txt").write_text("added by hand")
-    assert (out / "r" / qurl.RUN_MARKER).is_file()
-    kept = _tree(tmp_path)
-    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # the new run fails in set-up, after the folder checks
-    with pytest.raises(qurl.QurlError, match="needs bitsandbytes"):
-        qurl.train(_small_args(out, run_name="r", overwrite=True, quant="int8", loss="acr", steps=1))
-    assert _tree(tmp_path) == kept
-    monkeypatch.undo()
-    qurl.train(_small_args(out, run_name="r", overwrite=True, quant="none", steps=1))
-    assert not (out / "r" / "user_note.txt").exists()
-    # everything any of these runs wrote lies inside --out-dir
-    assert {p for p in _tree(tmp_path) if not p.startswith("X/runs/r")} == set(before)
-
-
 def test_checkpoint_write_is_atomic(tmp_path, tiny, monkeypatch):
     import copy
     model = copy.deepcopy(tiny[0])
@@ -1149,101 +1239,80 @@ def test_checkpoint_write_is_atomic(tmp_path, tiny, monkeypatch):
     assert qurl.load_checkpoint(tmp_path)["step"] == 7  # the previous checkpoint survived
 
 
-def test_non_finite_updates_are_skipped_then_stop(tmp_path, tiny, monkeypatch):
-    real = qurl.policy_loss
+class _FakeTracker:
+    """Records what qurl sends to wandb (init/log/finish) or tensorboard (SummaryWriter/add_scalar/close)."""
+    def __init__(self, **kw):
+        self.kw, self.rows, self.closed = kw, {}, False
 
-    def nan_loss(*a, **k):
-        loss, m = real(*a, **k)
-        return loss * float("nan"), m
-    monkeypatch.setattr(qurl, "policy_loss", nan_loss)
-    args = _small_args(tmp_path, run_name="nan", steps=6, quant="none", max_bad_steps=2, prompts_per_step=8,
-                       skip_zero_adv=False)
-    with pytest.raises(qurl.QurlError, match="non-finite"):
-        qurl.train(args)
-    rows = _metrics(tmp_path / "nan/metrics.jsonl")
-    assert rows[0]["guard/skipped"] == 1
-    state = torch.load(tmp_path / "nan/ckpt/state.pt", weights_only=False)  # the last good checkpoint (step 1)
-    init = tiny[0].state_dict()
-    assert state["step"] == 1 and all(torch.equal(state["model"][k], init[k]) for k in init)
+    def log(self, m, step):
+        self.rows[step] = dict(m)
 
+    def add_scalar(self, key, value, step):
+        self.rows.setdefault(step, {})[key] = value
 
-@pytest.mark.parametrize("argv,needles", [
-    (["--bogus-flag"], ["unrecognized arguments: --bogus-flag"]),
-    (["--lr", "abc"], ["--lr", "invalid float value"]),
-    (["--group-size", "1"], ["--group-size must be >= 2"]),
-    (["--temperature", "-1"], ["--temperature must be >= 0"]),
-    (["--eps-low", "1.5"], ["--eps-low must be in [0, 1)"]),
-    (["--invariant-scale", "0"], ["--invariant-scale must be > 0"]),
-    (["--is-cap", "0.5"], ["--is-cap must be >= 1"]),
-    (["--quant", "int4"], ["invalid choice: 'int4'"]),
-    (["--dry-run", "--model", "no/such/dir"], ["model not found"]),
-    (["--dry-run", "--model", "Qwen/Qwen2.5-0.5B-Instruct"], ["offline", "data/tiny-qwen"]),
-    (["--dry-run", "--train-data", "openai/gsm8k"], ["offline", "local"]),
-    (["--device", "cuda", "--dry-run"], ["CUDA was requested"]),
-    (["--align-forward", "--quant", "none"], ["--align-forward needs a quantizer"]),
-    (["--run-name", "..", "--overwrite"], ["--run-name must be one folder name"]),
-    (["--temperature", "0"], ["--temperature 0 (greedy) cannot train"]),
-    (["--dtype", "float16"], ["--dtype float16 is not supported", "bfloat16"]),
-])
-def test_bad_cli_input_one_line(tmp_path, argv, needles):
-    if "CUDA was requested" in needles and torch.cuda.is_available():
-        pytest.skip("CUDA is available here")
-    # an empty Hugging Face cache: a machine that once downloaded the hub model or data set must still see "offline"
-    assert_one_line_error(run_cli(*argv, HF_HOME=str(tmp_path / "hf")), *needles)
+    def finish(self):
+        self.closed = True
+
+    close = finish
 
 
-def test_run_dir_rules(tmp_path, tiny):
-    long_q = tmp_path / "long.jsonl"
-    long_q.write_text(json.dumps({"question": "What is " + "1 + " * 80 + "1?", "answer": "#### 81"}) + "\n")
-    out = str(tmp_path / "runs")
-    common = ["--out-dir", out, "--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-size", "4",
-              "--quant", "none"]
-    assert_one_line_error(run_cli(*common, "--train-data", str(long_q), "--run-name", "long"),
-                          "exceeds the model's context")
-    assert not (Path(out) / "long").exists()  # refused before anything was written
-    assert run_cli(*common, "--run-name", "a").returncode == 0
-    before = (Path(out) / "a/metrics.jsonl").read_text()
-    assert_one_line_error(run_cli(*common, "--run-name", "a"), "already exists", "--resume")
-    assert (Path(out) / "a/metrics.jsonl").read_text() == before  # nothing overwritten
-    empty = tmp_path / "empty_run"
-    empty.mkdir()
-    assert_one_line_error(run_cli(*common, "--resume", str(empty)), "no checkpoint")
-    (empty / "args.json").write_text((Path(out) / "a/args.json").read_text())
-    assert_one_line_error(run_cli(*common, "--resume", str(empty)), "no checkpoint")
-    # --resume alone continues with the run's saved flags (here --quant none, 2 prompts); typed flags override
-    res = run_cli("--resume", str(Path(out) / "a"), "--steps", "2")
-    assert res.returncode == 0, res.stderr
-    rows = _metrics(Path(out) / "a/metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2] and rows[1]["quant/flip_rate"] == 0.0
-    assert rows[1]["rollout/len_mean"] > 0 and json.loads((Path(out) / "a/summary.json").read_text())["steps"] == 2
-    ck = torch.load(Path(out) / "a/ckpt/state.pt", weights_only=False)
-    ck["model_id"]["hidden"] = 999
-    (tmp_path / "other/ckpt").mkdir(parents=True)
-    torch.save(ck, tmp_path / "other/ckpt/state.pt")
-    (tmp_path / "other/args.json").write_text((Path(out) / "a/args.json").read_text())
-    assert_one_line_error(run_cli(*common, "--resume", str(tmp_path / "other")), "different model")
-    blocker = tmp_path / "a_file"
-    blocker.write_text("x")
-    assert_one_line_error(run_cli(*common, "--out-dir", str(blocker / "sub")), "cannot write")
-
-
-def test_missing_or_old_bitsandbytes(monkeypatch, tiny):
-    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
-    with pytest.raises(qurl.QurlError, match="needs bitsandbytes >= 0.46.*--quant fp8"):
-        qurl.quantize_actor(tiny[0], "int8")
+@pytest.mark.parametrize("kind", ["wandb", "tensorboard"])
+def test_track_sends_the_metrics_jsonl_rows(tmp_path, monkeypatch, kind):
     import types
-    monkeypatch.setitem(sys.modules, "bitsandbytes", types.SimpleNamespace(__version__="0.45.5"))
-    with pytest.raises(qurl.QurlError, match="found 0.45.5"):
-        qurl.quantize_actor(tiny[0], "int8")
+    made = []
+    make = lambda **kw: made.append(_FakeTracker(**kw)) or made[-1]  # noqa: E731
+    if kind == "wandb":
+        fake = types.SimpleNamespace(init=make, util=types.SimpleNamespace(generate_id=lambda: "id1"))
+        monkeypatch.setitem(sys.modules, "wandb", fake)
+    else:
+        monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=make))
+    qurl.train(_small_args(tmp_path, run_name="t", quant="fp8", track=kind))
+    rows = [json.loads(l) for l in (tmp_path / "t/metrics.jsonl").read_text().splitlines()]
+    sent = made[0].rows
+    assert made[0].closed and sorted(sent) == [r["step"] for r in rows]
+    for r in rows:
+        assert sent[r["step"]] == {k: v for k, v in r.items() if v is not None and k != "step"}
+    if kind == "wandb":
+        assert made[0].kw["id"] == "id1" and made[0].kw["config"]["track"] == "wandb"
+    else:
+        assert made[0].kw["log_dir"] == str(tmp_path / "t/tensorboard")
 
 
-def test_fp8_without_scaled_mm_falls_back_with_notice(monkeypatch):
-    monkeypatch.delattr(torch, "_scaled_mm")
-    lin, x = _realistic_linear()
-    with pytest.warns(UserWarning, match="dequantize-and-matmul"):
-        q = qurl.QuantLinear(lin, "fp8", "scaled_mm")
-    assert q.kernel == "emulate"
-    assert _rel_err(q(x) - lin.bias, lin(x) - lin.bias) < 0.05
+@pytest.mark.parametrize("kind,pkg", [("wandb", "wandb"), ("tensorboard", "torch.utils.tensorboard")])
+def test_track_without_its_package_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys, kind, pkg):
+    monkeypatch.setitem(sys.modules, pkg, None)  # import raises ImportError
+    with pytest.raises(SystemExit) as e:
+        qurl.main(["--track", kind, "--out-dir", str(tmp_path), "--run-name", "x", "--mini-batches", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and f"pip install {kind}" in err[0], err
+    assert not (tmp_path / "x").exists()
+
+# ======================================================================================================================
+# Appendix B: tools (help and dry run, benchmarks, plots)
+# ======================================================================================================================
+def test_cli_help_and_dry_run():
+    res = run_cli("--help")
+    assert res.returncode == 0 and "--invariant-scale" in res.stdout and "rollout actor precision" in res.stdout
+    res = run_cli("--dry-run", "--quant", "fp8")
+    assert res.returncode == 0, res.stderr
+    assert "Qwen2ForCausalLM" in res.stdout and "20000 train, 500 test" in res.stdout and "Q: What is" in res.stdout
+    assert "quantized actor (fp8)" in res.stdout
+
+
+def test_bench_rollout_and_quant_on_the_tiny_model(tmp_path):
+    """--bench-rollout (ours against model.generate, sampled and greedy) and --bench-quant (each rollout precision,
+    as a ratio to the unquantized model) write one row per setting, with positive throughputs."""
+    out = tmp_path / "bench.jsonl"
+    common = ["--bench-batch", "8", "--bench-len", "8", "--bench-runs", "1", "--bench-out", str(out)]
+    qurl.main(["--bench-rollout", "--quant", "fp8", "--group-size", "4", *common])
+    qurl.main(["--bench-quant", *common])
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [(r["quant"], r["temperature"], r["batch"]) for r in rows] == [
+        ("fp8", 1.0, 8), ("fp8", 0.0, 8), ("none", 1.0, 8), ("int8", 1.0, 8), ("fp8", 1.0, 8), ("nf4", 1.0, 8)]
+    assert all(r["tok_s"] > 0 for r in rows) and rows[0]["generate_tok_s"] > 0 and rows[2]["ratio_to_unquantized"] == 1
+    assert rows[4]["kernel"] == "emulate" and 0 < rows[4]["linear_share"] < 1
+    field = next(f for f in qurl.dataclasses.fields(qurl.Args) if f.name == "model_config")
+    assert field.metadata["choices"] == list(qurl.MODEL_CONFIGS)  # the flag offers exactly the shapes defined
 
 
 def test_bench_train_and_memory_on_the_tiny_model(tmp_path, capsys):
@@ -1260,9 +1329,6 @@ def test_bench_train_and_memory_on_the_tiny_model(tmp_path, capsys):
     assert all(r["device"].startswith("cpu") for r in rows) and rows[0]["tok_s"] > 0 and rows[1]["step_peak_mib"] > 0
 
 
-# ======================================================================================================================
-# Plots
-# ======================================================================================================================
 def test_plot_writes_png(tmp_path):
     mpl = pytest.importorskip("matplotlib", reason="matplotlib is not installed (it is in requirements.txt)")
     for name, quant in (("p_none", "none"), ("p_fp8", "fp8")):
@@ -1277,6 +1343,37 @@ def test_plot_writes_png(tmp_path):
     with pytest.raises(SystemExit):
         qurl.main(["--plot", str(tmp_path / "nope"), "--out", str(out)])
 
+# ======================================================================================================================
+# The file itself: copyable method functions, metric names in one place
+# ======================================================================================================================
+COPYABLE = ["masked_mean", "k3", "group_advantages", "policy_loss", "kl_penalty", "mismatch_metrics", "quantize_fp8",
+            "quantize_int8", "quantize_nf4", "quantize", "dequantize", "w8a8_matmul", "QuantLinear", "fake_quant",
+            "aligned_linear", "rollout_aligned", "sync_weights", "quantize_actor", "invariant_scale", "sample",
+            "token_logprobs"]
+
+
+def test_method_functions_need_at_most_three_other_module_names():
+    """Copying one of these into another trainer brings at most three other names of qurl.py along (imports aside)."""
+    import ast
+    tree = ast.parse(Path(qurl.__file__).read_text())
+    defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    module_names = set(defs) | {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                                if isinstance(t, ast.Name)}
+    for name in COPYABLE:
+        used = {x.id for x in ast.walk(defs[name]) if isinstance(x, ast.Name)} & module_names - {name}
+        assert len(used) <= 3, (name, sorted(used))
+
+
+def test_metric_names_defined_once_and_in_the_glossary():
+    """METRIC_KEYS is the one list (rows hold exactly these: see test_end_to_end); the README's glossary names each."""
+    readme = (HERE / "README.md").read_text()
+    glossary = readme[readme.index("| metric |"):]
+    glossary = glossary[:glossary.index("\n\n")]
+    assert all(f"`{k}`" in glossary for k in qurl.METRIC_KEYS if k != "step"), \
+        [k for k in qurl.METRIC_KEYS if f"`{k}`" not in glossary]
+    assert len(set(qurl.METRIC_KEYS)) == len(qurl.METRIC_KEYS)
+    assert set(qurl.UPDATE_KEYS) <= set(qurl.METRIC_KEYS)
 
 # ======================================================================================================================
 # CUDA (skipped with a reason where torch sees no CUDA device)
