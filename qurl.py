@@ -153,14 +153,15 @@ class Args:
     bench_train: bool = arg(False, "seconds and peak memory per RL step at the real sizes (random rewards) and exit")
     # benchmark settings
     model_config: str | None = arg(None, "bench a published architecture with random weights instead of --model",
-                                   choices=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b", "qwen2-h512-l8"])
+                                   choices=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b",
+                                            "qwen2-h512-l8"])
     bench_batch: str = arg("128", "bench batch sizes, comma separated (rows = prompts x group)")
     bench_len: int = arg(32, "bench response length")
     bench_runs: int = arg(5, "bench repetitions (the median is reported)")
     bench_out: str | None = arg(None, "also append each bench row as a JSON line to this file")
 
 
-# ============================================ THE METHOD, 1: data format and reward (what the verifier checks) =========
+# ============================================ THE METHOD, 1: data format and reward (what the verifier checks) ========
 SYSTEM_PROMPT = "Solve the problem step by step. Put the final answer, a number only, after '####' on the last line."
 
 
@@ -223,9 +224,9 @@ def extract_answer(text: str) -> str | None:
     return _normalize(last) if last is not None else None
 
 
-def _as_number(s: str) -> Fraction | None:
+def _as_number(text: str) -> Fraction | None:
     try:
-        return Fraction(s)
+        return Fraction(text)
     except (ValueError, ZeroDivisionError):
         return None
 
@@ -263,19 +264,19 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x8, absmax
 
 
-def quantize_nf4(w: torch.Tensor):
+def quantize_nf4(weight: torch.Tensor):
     """Weight-only NF4 (bitsandbytes, QLoRA's 4-bit NormalFloat): blocks of 64 weights scaled by their absmax, each
     weight the nearest of 16 normal-quantile levels. Returns (packed codes, two per byte, and bnb's QuantState)."""
     import bitsandbytes.functional as bnbF
-    return bnbF.quantize_4bit(w.detach().float().contiguous(), blocksize=NF4_BLOCK, quant_type="nf4")
+    return bnbF.quantize_4bit(weight.detach().float().contiguous(), blocksize=NF4_BLOCK, quant_type="nf4")
 
 
-def quantize(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, object]:
+def quantize(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, object]:
     """Weights in the sampler's format: (codes, fp32 scales: per row for fp8/int8, per block for nf4, nf4 state)."""
     if fmt == "nf4":
-        q, state = quantize_nf4(w)
+        q, state = quantize_nf4(weight)
         return q, state.absmax.float(), state
-    q, scale = quantize_fp8(w) if fmt == "fp8" else quantize_int8(w)
+    q, scale = quantize_fp8(weight) if fmt == "fp8" else quantize_int8(weight)
     return q, scale.float(), None
 
 
@@ -292,18 +293,18 @@ def w8a8_matmul(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, fmt:
     """y = Q(x2) @ Q(W)^T for (M, K) activations, quantized per token here, and (N, K) weight codes with per-row
     scales: the sampler's kernel. Returns fp32 (rounded to fp16 for INT8 and to bf16 for CUDA FP8, as those kernels
     return it). w_deq: the weights dequantized once (CPU FP8 emulation)."""
-    dev = x2.device.type   # the kernel fixes its own numerics: no autocast inside
-    with torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else contextlib.nullcontext():
+    dev_type = x2.device.type   # the kernel fixes its own numerics: no autocast inside
+    with torch.autocast(dev_type, enabled=False) if torch.is_autocast_enabled(dev_type) else contextlib.nullcontext():
         if fmt == "int8":
             import bitsandbytes.functional as bnbF
             amax = x2.detach().float().abs().amax(dim=-1, keepdim=True)
-            k = torch.exp2(torch.ceil(torch.log2((amax / INT8_X_MAX).clamp(min=1.0))))  # power of 2: exact
-            if not x2.is_cuda and bool((k > 1).any()):  # (a host sync: on CUDA it would stall every decode step)
+            shift = torch.exp2(torch.ceil(torch.log2((amax / INT8_X_MAX).clamp(min=1.0))))  # a power of 2: exact
+            if not x2.is_cuda and bool((shift > 1).any()):  # (a host sync: on CUDA it would stall every decode step)
                 warnings.warn(f"INT8: activations up to {float(amax.max()):.3g} exceed fp16's range for "
                               f"bitsandbytes; those tokens are scaled by a power of 2 and back")
-            x8, s_x = quantize_int8(x2 / k)
+            x8, s_x = quantize_int8(x2 / shift)
             acc = bnbF.int8_linear_matmul(x8, w_q)                             # int32 = x8 @ w8^T
-            return bnbF.int8_mm_dequant(acc, s_x, w_scale).float() * k         # * absmax_x*absmax_w/127^2
+            return bnbF.int8_mm_dequant(acc, s_x, w_scale).float() * shift     # * absmax_x*absmax_w/127^2
         x8, s_x = quantize_fp8(x2)
         s_x = s_x[:, None]
         if kernel == "scaled_mm":
@@ -330,15 +331,15 @@ class QuantLinear(nn.Module):
         super().__init__()
         assert fmt in ("fp8", "int8", "nf4"), fmt
         self.fmt, self.in_features, self.out_features = fmt, linear.in_features, linear.out_features
-        w = linear.weight.detach()
-        self.register_buffer("weight_q", torch.empty(0, dtype=torch.uint8, device=w.device))
-        self.register_buffer("weight_scale", torch.empty(0, dtype=torch.float32, device=w.device))
+        weight = linear.weight.detach()
+        self.register_buffer("weight_q", torch.empty(0, dtype=torch.uint8, device=weight.device))
+        self.register_buffer("weight_scale", torch.empty(0, dtype=torch.float32, device=weight.device))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         # FP8 kernel: torch._scaled_mm where it runs (CUDA compute capability >= 8.9, or CPU on request, dims multiples
         # of 16), else dequantize-and-matmul with the same numerics (CPU's default: faster there than _scaled_mm)
-        wanted = fp8_kernel == "scaled_mm" or (fp8_kernel == "auto" and w.device.type == "cuda")
-        runs = hasattr(torch, "_scaled_mm") and not (w.shape[0] % 16 or w.shape[1] % 16) and (
-            w.device.type != "cuda" or torch.cuda.get_device_capability(w.device) >= (8, 9))
+        wanted = fp8_kernel == "scaled_mm" or (fp8_kernel == "auto" and weight.device.type == "cuda")
+        runs = hasattr(torch, "_scaled_mm") and not (weight.shape[0] % 16 or weight.shape[1] % 16) and (
+            weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device) >= (8, 9))
         self.kernel = {"int8": "bnb", "nf4": "bnb-nf4"}.get(fmt) or ("scaled_mm" if wanted and runs else "emulate")
         if fmt == "fp8" and wanted and not runs:
             warnings.warn("FP8: torch._scaled_mm is unavailable here (it needs CPU or CUDA compute capability >= 8.9, "
@@ -347,15 +348,15 @@ class QuantLinear(nn.Module):
         # CPU keeps the dequantized weights (4 more bytes per weight, not counted by quant_bytes): CPU runs are
         # demonstrations, and dequantizing at every call would cost more than the matmul.
         self.register_buffer("weight_deq", None, persistent=False)
-        self.load_weight(w)
+        self.load_weight(weight)
 
     @torch.no_grad()
-    def load_weight(self, w: torch.Tensor, bias: torch.Tensor | None = None) -> int:
+    def load_weight(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
         """Re-quantize from full-precision weights; returns how many weight codes (8- or 4-bit) changed."""
-        q, scale, self.nf4_state = quantize(w, self.fmt)
+        q, scale, self.nf4_state = quantize(weight, self.fmt)
         old, new = self.weight_q.view(torch.uint8).flatten(), q.view(torch.uint8).flatten()
         if old.shape != new.shape:
-            changed = w.numel()
+            changed = weight.numel()
         elif self.fmt == "nf4":  # two 4-bit codes per byte: a moved block absmax changes values, not codes
             diff = old ^ new
             changed = int(((diff & 0x0F) != 0).sum() + ((diff & 0xF0) != 0).sum())
@@ -370,10 +371,12 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "nf4":  # W4A16: the dequantized weights meet activations in the compute dtype (autocast)
-            w = self.weight_deq if self.weight_deq is not None else dequantize(self.weight_q, None, self.nf4_state, "nf4")
-            return F.linear(x, w, self.bias)
-        dev = x.device.type  # a linear returns the autocast dtype inside torch.autocast, else the input's
-        out_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+            weight = self.weight_deq
+            if weight is None:  # CUDA: bitsandbytes dequantizes the 4-bit codes at every call
+                weight = dequantize(self.weight_q, self.weight_scale, self.nf4_state, "nf4")
+            return F.linear(x, weight, self.bias)
+        dev_type = x.device.type  # a linear returns the autocast dtype inside torch.autocast, else the input's
+        out_dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else x.dtype
         y = w8a8_matmul(x.reshape(-1, self.in_features), self.weight_q, self.weight_scale, self.fmt, self.kernel,
                         self.weight_deq).to(out_dtype)
         if self.bias is not None:
@@ -386,8 +389,8 @@ class QuantLinear(nn.Module):
 
 def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The linears QuRL quantizes: those inside decoder layers. Embeddings, norms and lm_head stay full precision."""
-    return [(n, m) for n, m in model.named_modules()
-            if isinstance(m, (nn.Linear, QuantLinear)) and ".layers." in f".{n}"]
+    return [(name, mod) for name, mod in model.named_modules()
+            if isinstance(mod, (nn.Linear, QuantLinear)) and ".layers." in f".{name}"]
 
 
 def quantize_actor(model: nn.Module, fmt: str, fp8_kernel: str = "auto") -> nn.Module:
@@ -403,9 +406,9 @@ def quantize_actor(model: nn.Module, fmt: str, fp8_kernel: str = "auto") -> nn.M
 
 def quant_bytes(q_model: nn.Module) -> tuple[int, int]:
     """(bytes of weight codes + their scales (row scales, or NF4's block absmax), weights they replace)."""
-    qls = [m for m in q_model.modules() if isinstance(m, QuantLinear)]
-    codes = sum(m.weight_q.numel() * m.weight_q.element_size() + m.weight_scale.numel() * 4 for m in qls)
-    return codes, sum(m.in_features * m.out_features for m in qls)
+    qls = [mod for mod in q_model.modules() if isinstance(mod, QuantLinear)]
+    codes = sum(q.weight_q.numel() * q.weight_q.element_size() + q.weight_scale.numel() * 4 for q in qls)
+    return codes, sum(q.in_features * q.out_features for q in qls)
 
 
 @torch.no_grad()
@@ -421,8 +424,8 @@ def sync_weights(q_model: nn.Module, model: nn.Module) -> float:
             changed += qm.load_weight(fp[name].weight, fp[name].bias)
             total += qm.weight_q.numel()
     fp_params = dict(model.named_parameters())
-    for name, p in q_model.named_parameters():
-        p.copy_(fp_params[name])
+    for name, param in q_model.named_parameters():
+        param.copy_(fp_params[name])
     return changed / max(total, 1)
 
 
@@ -443,13 +446,13 @@ def invariant_scale(model: nn.Module, s: float) -> None:
                ("post_attention_layernorm", getattr(layer, "mlp", None), ("gate_proj", "up_proj"))]]
     for layer, norm, block, projs in groups:  # check every layer before changing any
         if (type(getattr(layer, norm, None)).__name__ not in _NORMS or block is None
-                or not all(isinstance(getattr(block, p, None), nn.Linear) for p in projs)):
+                or not all(isinstance(getattr(block, proj, None), nn.Linear) for proj in projs)):
             raise QurlError(f"invariant_scale: layer {type(layer).__name__} is not a recognised pre-norm (RMSNorm -> "
                             f"{'/'.join(projs)}) layer; supported: Qwen2, Qwen3, Llama. Use --invariant-scale 1")
     for layer, norm, block, projs in groups:
         getattr(layer, norm).weight.mul_(s)   # s x   (RMSNorm output is linear in its weight)
-        for p in projs:
-            getattr(block, p).weight.div_(s)  # W / s (bias unchanged: (W/s)(s x) + b = W x + b)
+        for proj in projs:
+            getattr(block, proj).weight.div_(s)  # W / s (bias unchanged: (W/s)(s x) + b = W x + b)
 
 
 def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -473,7 +476,7 @@ def aligned_linear(lin: nn.Linear, fmt: str, x: torch.Tensor, fp8_kernel: str = 
 def rollout_aligned(model: nn.Module | None, fmt: str | None, fp8_kernel: str = "auto"):
     """Within this block the model's decoder linears compute in the sampler's numerics (`aligned_linear`), with
     straight-through gradients to the full-precision weights. fmt or model None: a no-op."""
-    lins = [m for _, m in decoder_linears(model)] if fmt and model is not None else []
+    lins = [mod for _, mod in decoder_linears(model)] if fmt and model is not None else []
     for lin in lins:
         lin.forward = lambda x, lin=lin: aligned_linear(lin, fmt, x, fp8_kernel)
     try:
@@ -483,7 +486,7 @@ def rollout_aligned(model: nn.Module | None, fmt: str | None, fp8_kernel: str = 
             del lin.forward
 
 
-# ============================================ THE METHOD, 3: rollout: a KV-cache sampler recording logp_behav ==========
+# ============================================ THE METHOD, 3: rollout: a KV-cache sampler recording logp_behav =========
 @dataclass
 class Rollout:
     input_ids: torch.Tensor       # (B, P+R) left-padded prompt, then the response (pad after the first EOS)
@@ -586,7 +589,7 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-# ============================================ THE METHOD, 4: log-probs: teacher-forced, same temperature ===============
+# ============================================ THE METHOD, 4: log-probs: teacher-forced, same temperature ==============
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
                    temperature: float = 1.0, micro_batch: int = 64) -> torch.Tensor:
     """(B, R) log-probs of the response tokens (the last R columns) under log_softmax(logits / T), in micro-batches;
@@ -618,16 +621,16 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 
 def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(p || q) from samples of p, with log_ratio = log q/p: e^r - 1 - r >= 0."""
-    r = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return r.exp() - 1 - r
+    x = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return x.exp() - 1 - x
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
     """GRPO: A_i = (R_i - mean_group R) / (std_group R + 1e-6), std unbiased (as TRL). Also counts the groups
     whose rewards are all equal: they carry no learning signal."""
-    r = rewards.float().view(-1, group_size)
-    std = r.std(dim=1, keepdim=True)
-    adv = (r - r.mean(dim=1, keepdim=True)) / (std + 1e-6)
+    grouped = rewards.float().view(-1, group_size)
+    std = grouped.std(dim=1, keepdim=True)
+    adv = (grouped - grouped.mean(dim=1, keepdim=True)) / (std + 1e-6)
     return adv.view(-1), int((std.squeeze(1) == 0).sum())
 
 
@@ -662,11 +665,11 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.T
         keep = live & ~below & ~above                                # out of band: out of the loss and its denominator
         if tbpo_max_mismatch is not None:                            # optional: drop w_i outside [1/M, M]
             keep &= log_w_seq.abs() <= math.log(tbpo_max_mismatch)
-        k = keep.to(logp.dtype)
+        kept = keep.to(logp.dtype)
         n_live = live.sum().clamp(min=1)
-        out = -(k * w_hat * torch.where(adv >= 0, pos, neg)).sum() / (denom or k.sum().clamp(min=1.0))
-        m.update({"loss/policy": float(out.detach()), "tbpo/kept": float(k.sum() / n_live),
-                  "tbpo/n_kept": float(k.sum()), "clip/low": float((below & live).sum() / n_live),
+        out = -(kept * w_hat * torch.where(adv >= 0, pos, neg)).sum() / (denom or kept.sum().clamp(min=1.0))
+        m.update({"loss/policy": float(out.detach()), "tbpo/kept": float(kept.sum() / n_live),
+                  "tbpo/n_kept": float(kept.sum()), "clip/low": float((below & live).sum() / n_live),
                   "clip/high": float((above & live).sum() / n_live)})
         return out, m
     if loss == "naive":
@@ -742,8 +745,8 @@ def make_rollout_actor(model: nn.Module, quant: str, dtype: torch.dtype, fp8_ker
     if dtype == torch.float32:
         return model
     actor = copy.deepcopy(model).eval().requires_grad_(False)
-    for p in actor.parameters():  # parameters only: buffers such as RoPE's inv_freq stay fp32, as engines keep them
-        p.data = p.data.to(dtype)
+    for param in actor.parameters():  # parameters only: buffers such as RoPE's inv_freq stay fp32, as engines do
+        param.data = param.data.to(dtype)
     return actor
 
 
@@ -821,7 +824,7 @@ def update(rl: Learner, args: Args, ids, am, mask, logp_behav, adv, logp_prox=No
               tbpo_eps=(args.tbpo_eps_low, args.tbpo_eps_high, args.tbpo_eps_high_neg),
               tbpo_max_mismatch=args.tbpo_max_mismatch)
     T, logs, prox_seen, skipped = args.temperature, [], [], 0
-    params = [p for p in rl.model.parameters() if p.requires_grad]
+    params = [param for param in rl.model.parameters() if param.requires_grad]
     for _ in range(args.ppo_epochs if len(ids) else 0):
         for mb in _batches(len(ids), args.mini_batches):
             micro = [slice(i, min(i + args.micro_batch, mb.stop)) for i in range(mb.start, mb.stop, args.micro_batch)]
@@ -850,9 +853,9 @@ def update(rl: Learner, args: Args, ids, am, mask, logp_behav, adv, logp_prox=No
             if args.loss == "tbpo" and logp_ref is None:
                 kept = max(lm["tbpo/n_kept"], 1.0)
                 lm["loss/policy"] /= kept
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.div_(kept)
+                for param in params:
+                    if param.grad is not None:
+                        param.grad.div_(kept)
             gnorm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             if finite and torch.isfinite(gnorm):  # numeric guard: never step on NaN/inf
                 rl.opt.step()
@@ -884,9 +887,9 @@ def _combine_micro(parts: list[tuple[dict, float, float]]) -> dict:
         if k in ("loss/policy", "loss/kl", "tbpo/n_kept"):
             out[k] = sum(lm[k] for lm, _, _ in parts)
         else:
-            w = [(n_seq if k in ("tbpo/kept", "clip/low", "clip/high") and "tbpo/kept" in lm else n_tok)
-                 for lm, n_tok, n_seq in parts]
-            out[k] = sum(lm[k] * wi for (lm, _, _), wi in zip(parts, w)) / max(sum(w), 1.0)
+            counts = [(n_seq if k in ("tbpo/kept", "clip/low", "clip/high") and "tbpo/kept" in lm else n_tok)
+                      for lm, n_tok, n_seq in parts]
+            out[k] = sum(lm[k] * c for (lm, _, _), c in zip(parts, counts)) / max(sum(counts), 1.0)
     return out
 
 
@@ -904,7 +907,7 @@ def lr_at(step: int, steps: int, lr: float, schedule: str) -> float:
     return 0.5 * lr * (1 + math.cos(math.pi * (step - 1) / max(steps, 1)))
 
 
-# ============================================ THE METHOD, 7: the training loop and evaluation ==========================
+# ============================================ THE METHOD, 7: the training loop and evaluation =========================
 @dataclass
 class RunState:
     """A run's bookkeeping between steps: its folder, data, position, and what it has measured so far."""
@@ -971,10 +974,10 @@ def run_eval(rl: Learner, args: Args, run: RunState) -> tuple[float, float | Non
     """Greedy held-out accuracy of the fp actor (and pass@k with --eval-k), in the learner's compute dtype."""
     rl.model.eval()
     with autocast(rl.gen.device, rl.dtype):
-        r = evaluate(rl.model, rl.tok, run.test_set, max_new_tokens=args.max_new_tokens, batch_size=args.eval_batch,
+        res = evaluate(rl.model, rl.tok, run.test_set, max_new_tokens=args.max_new_tokens, batch_size=args.eval_batch,
                      k=args.eval_k, seed=args.seed)
     rl.model.train()
-    return r["acc"], r.get(f"pass@{args.eval_k}")
+    return res["acc"], res.get(f"pass@{args.eval_k}")
 
 
 @torch.no_grad()
@@ -1019,23 +1022,23 @@ def save_final(path: Path, model, tok, s: float) -> None:
     (path / "qurl.json").write_text(json.dumps({"invariant_scale_folded_back": s, "dtype": "float32"}) + "\n")
 
 
-# ============================================ APPENDIX A: plumbing (arguments, data, model, run folders, signals) ======
+# ============================================ APPENDIX A: plumbing (arguments, data, model, run folders, signals) =====
 def _parser(defaults: bool = True) -> argparse.ArgumentParser:
     """argparse from the Args dataclass, each field's help its one-line doc. defaults=False leaves unset flags out of
     the result (to tell which flags the user typed)."""
-    p = argparse.ArgumentParser(prog="qurl.py", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                argument_default=None if defaults else argparse.SUPPRESS)
-    p.error = lambda msg: _die(f"{msg} (see python qurl.py --help)")  # one line, no usage dump
+    parser = argparse.ArgumentParser(prog="qurl.py", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                     argument_default=None if defaults else argparse.SUPPRESS)
+    parser.error = lambda msg: _die(f"{msg} (see python qurl.py --help)")  # one line, no usage dump
     for f in dataclasses.fields(Args):
         name, meta, kind = "--" + f.name.replace("_", "-"), f.metadata, str(f.type)
         default = f.default if defaults else argparse.SUPPRESS
         if kind == "bool":
-            p.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
         else:
-            p.add_argument(name, type={"int": int, "float": float}.get(kind.split(" ")[0], str), default=default,
-                           help=meta["help"], choices=meta.get("choices"), nargs=meta.get("nargs"))
-    return p
+            parser.add_argument(name, type={"int": int, "float": float}.get(kind.split(" ")[0], str), default=default,
+                                help=meta["help"], choices=meta.get("choices"), nargs=meta.get("nargs"))
+    return parser
 
 
 def parse_args(argv=None) -> Args:
@@ -1076,7 +1079,8 @@ def flag_notices(args: Args, typed: set[str]) -> list[str]:
 def validate_args(args: Args) -> str | None:
     """Return a one-line complaint about the first out-of-range value, or None."""
     checks = [
-        (args.group_size >= 2, f"--group-size must be >= 2 (a GRPO group needs two samples to compare), got {args.group_size}"),
+        (args.group_size >= 2,
+         f"--group-size must be >= 2 (a GRPO group needs two samples to compare), got {args.group_size}"),
         (args.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {args.prompts_per_step}"),
         (args.temperature >= 0, f"--temperature must be >= 0 (0 is greedy), got {args.temperature}"),
         (0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
@@ -1091,12 +1095,13 @@ def validate_args(args: Args) -> str | None:
         (args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
         (args.ppo_epochs >= 1 and args.mini_batches >= 1, "--ppo-epochs and --mini-batches must be >= 1"),
         (args.mini_batches <= args.prompts_per_step * args.group_size, "--mini-batches exceeds the rows of a step"),
-        (min(args.micro_batch, args.eval_batch, args.eval_every, args.log_every, args.save_every, args.max_bad_steps, args.bench_len,
-             args.bench_runs) >= 1, "--micro-batch, --eval-batch, --eval/log/save-every, --max-bad-steps, --bench-len "
-                                 "and --bench-runs must be >= 1"),
+        (min(args.micro_batch, args.eval_batch, args.eval_every, args.log_every, args.save_every, args.max_bad_steps,
+             args.bench_len, args.bench_runs) >= 1,
+         "--micro-batch, --eval-batch, --eval/log/save-every, --max-bad-steps, --bench-len, --bench-runs must be >= 1"),
         (args.eval_size >= 0 and args.eval_k >= 0, "--eval-size and --eval-k must be >= 0"),
         (args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}"),
-        (args.device in ("auto", "cpu", "cuda") or args.device.startswith("cuda:"), f"--device: unknown '{args.device}'"),
+        (args.device in ("auto", "cpu", "cuda") or args.device.startswith("cuda:"),
+         f"--device: unknown '{args.device}'"),
         (args.dtype != "float16", "--dtype float16 is not supported: fp16 autocast needs loss scaling, which qurl "
                                "does not do; use bfloat16 (or float32 on a GPU without bf16)"),
         (args.dtype in ("auto", "float32", "bfloat16"), f"--dtype: unknown '{args.dtype}' (auto, float32 or bfloat16)"),
@@ -1106,9 +1111,11 @@ def validate_args(args: Args) -> str | None:
         (args.temperature > 0 or args.steps == 0 or args.dry_run or args.plot or args.bench_quant or args.bench_rollout,
          "--temperature 0 (greedy) cannot train: a greedy rollout has no distribution to compute a policy gradient "
          "of; use a temperature > 0 (1.0 is the default)"),
-        (not (args.align_forward and args.quant == "none"), "--align-forward needs a quantizer: add --quant int8, fp8 or nf4"),
+        (not (args.align_forward and args.quant == "none"),
+         "--align-forward needs a quantizer: add --quant int8, fp8 or nf4"),
         (args.run_name is None or (args.run_name not in ("", ".", "..") and not set(args.run_name) & set("/\\")),
-         f"--run-name must be one folder name inside --out-dir (not empty, no / or \\, not . or ..), got {args.run_name!r}"),
+         f"--run-name must be one folder name inside --out-dir (not empty, no / or \\, not . or ..), "
+         f"got {args.run_name!r}"),
         (all(b.strip().isdigit() and int(b) > 0 for b in args.bench_batch.split(",")),
          f"--bench-batch must be positive integers separated by commas, got '{args.bench_batch}'"),
     ]
@@ -1194,7 +1201,7 @@ def _load_hub_rows(name: str, split: str, config: str | None):
             ds = datasets.load_dataset(name, config or ("main" if name.endswith("gsm8k") else None), split=split)
     except Exception as e:
         text = f"{type(e).__name__}: {e}"
-        if any(w in text for w in ("Offline", "offline", "resolve", "Connection")):
+        if any(word in text for word in ("Offline", "offline", "resolve", "Connection")):
             raise QurlError(f"cannot load hub data set '{name}': no network (offline); pass a local "
                             f".jsonl/.json/.parquet file, e.g. data/arith_train.jsonl") from None
         raise QurlError(f"cannot load data set '{name}' (not a local file either): {text.splitlines()[0][:200]}") \
@@ -1277,11 +1284,11 @@ def check_run_dir(args: Args) -> Path:
         raise QurlError(f"run folder {d} already exists: pass --resume {d} to continue it, --overwrite to replace "
                         f"it, or --run-name NAME")
     if d.is_dir() and any(d.iterdir()) and not is_qurl_run(d):
-        held = sorted(p.name for p in d.iterdir())
+        held = sorted(path.name for path in d.iterdir())
         shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
         raise QurlError(f"--overwrite: {d} is not a qurl run folder (it holds {shown}; no {RUN_MARKER}), so qurl "
                         f"will not delete it: choose another --run-name or --out-dir")
-    parent = next(p for p in [d, *d.parents] if p.exists())
+    parent = next(path for path in [d, *d.parents] if path.exists())
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise QurlError(f"cannot write to {d} ({parent} is not a writable folder); choose another --out-dir")
     return d
@@ -1347,7 +1354,7 @@ def start_run(args: Args) -> tuple[Learner, RunState]:
 def checkpoint_state(rl: Learner, run: RunState, args: Args) -> dict:
     """Everything a run resumes from, as one dict: weights, optimizer, the rollout actor's codes (so that the next
     flip rate counts from them), position, random states, args and the start's evaluation."""
-    quantized = any(isinstance(m, QuantLinear) for m in rl.actor.modules())
+    quantized = any(isinstance(mod, QuantLinear) for mod in rl.actor.modules())
     return {"step": run.step, "data_pos": run.data_pos, "model": rl.model.state_dict(),
             "optimizer": rl.opt.state_dict(), "q_model": rl.actor.state_dict() if quantized else None,
             "rng_python": random.getstate(), "rng_torch": torch.get_rng_state(), "rng_sampler": rl.gen.get_state(),
@@ -1374,7 +1381,7 @@ def resume_from(rl: Learner, run: RunState, ckpt: dict) -> None:
 def _model_id(model) -> dict:
     c = model.config
     return {"arch": type(model).__name__, "hidden": c.hidden_size, "layers": c.num_hidden_layers,
-            "vocab": c.vocab_size, "params": sum(p.numel() for p in model.parameters())}
+            "vocab": c.vocab_size, "params": sum(param.numel() for param in model.parameters())}
 
 
 def save_checkpoint(d: Path, state: dict) -> None:
@@ -1485,7 +1492,7 @@ def _request_stop(signum, frame):
     notice(f"{name}: finishing this step, then writing a checkpoint (send it again to abort at once)")
 
 
-# ============================================ APPENDIX B: tools (benchmarks, dry run, plots) ===========================
+# ============================================ APPENDIX B: tools (benchmarks, dry run, plots) ==========================
 # Published architectures (config.json of each hub model), built with random weights for throughput runs:
 # model_type, hidden, layers, heads, kv heads, intermediate, vocab, tied embeddings (+ head_dim where it differs).
 MODEL_CONFIGS = {
@@ -1580,7 +1587,7 @@ def bench_rollout(args: Args, fmts: tuple[str, ...] | None = None) -> list[dict]
                 if fmts:
                     base[batch] = base.get(batch, tok_s)
                     row.update(ratio_to_unquantized=tok_s / base[batch], linear_share=_linear_share(actor, run, device)
-                               / t, kernel=next((m.kernel for m in actor.modules() if isinstance(m, QuantLinear)),
+                               / t, kernel=next((mod.kernel for mod in actor.modules() if isinstance(mod, QuantLinear)),
                                                 "nn.Linear"))
                 else:
                     row.update(generate_tok_s=_generate_tok_s(actor, tok, prompts, G, temp, ignore_eos, args, device))
@@ -1592,7 +1599,7 @@ def bench_rollout(args: Args, fmts: tuple[str, ...] | None = None) -> list[dict]
 
 def _generate_tok_s(model, tok, prompts: list[str], G: int, temp: float, ignore_eos: bool, args: Args, device):
     """Tokens/s of transformers' model.generate on the same rows (tokens up to and including the first stop)."""
-    enc = tok([p for p in prompts for _ in range(G)], return_tensors="pt", padding=True).to(device)
+    enc = tok([prompt for prompt in prompts for _ in range(G)], return_tensors="pt", padding=True).to(device)
     kw = dict(do_sample=temp > 0, max_new_tokens=args.bench_len, pad_token_id=tok.pad_token_id, top_k=0, top_p=1.0,
               **({"temperature": temp} if temp > 0 else {}), **({"min_new_tokens": args.bench_len} if ignore_eos
                                                                   else {}))
@@ -1713,11 +1720,11 @@ def dry_run(args: Args) -> None:
     model, tok = load_model(args.model, device, dtype)
     train_set, test_set = (load_problems(spec, split, args.question_field, args.answer_field, args.data_config)
                            for spec, split in [(args.train_data, args.train_split), (args.test_data, args.test_split)])
-    n_params, dt = sum(p.numel() for p in model.parameters()), str(dtype).replace("torch.", "")
+    n_params, dtype_name = sum(param.numel() for param in model.parameters()), str(dtype).replace("torch.", "")
     print(json.dumps(dataclasses.asdict(args), indent=1))
-    print(f"device {device}, dtype {dt}")
+    print(f"device {device}, dtype {dtype_name}")
     print(f"model {args.model}: {type(model).__name__}, {n_params / 1e6:.2f}M parameters, "
-          f"{n_params * torch.finfo(dtype).bits // 8 / 2**20:.1f} MiB in {dt}")
+          f"{n_params * torch.finfo(dtype).bits // 8 / 2**20:.1f} MiB in {dtype_name}")
     if args.quant != "none":
         qb, qn = quant_bytes(quantize_actor(model, args.quant, args.fp8_kernel))
         print(f"quantized actor ({args.quant}): {qn / 1e6:.2f}M weights in decoder linears -> {qb / 2**20:.2f} MiB "
@@ -1746,12 +1753,12 @@ def plot_runs(run_dirs: list[str], out: str) -> None:
         rows = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
         start = json.loads(summary.read_text()).get("start_eval_acc") if summary.is_file() else None
         for ax, (key, title) in zip(axes.flat, panels):
-            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            pts = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
             if key == "eval/acc" and start is not None:  # the warm start, evaluated before step 1
                 pts = [(0, start)] + pts
             if key != "eval/acc" and len(pts) > 20:  # smooth the noisy per-step series
-                k = max(1, len(pts) // 25)
-                pts = [(pts[i][0], sum(v for _, v in pts[max(0, i - k):i + 1]) / len(pts[max(0, i - k):i + 1]))
+                win = max(1, len(pts) // 25)
+                pts = [(pts[i][0], sum(v for _, v in pts[max(0, i - win):i + 1]) / len(pts[max(0, i - win):i + 1]))
                        for i in range(len(pts))]
             if pts:
                 ax.plot(*zip(*pts), label=Path(rd).name, marker="o" if key == "eval/acc" else None, markersize=3)
