@@ -1753,7 +1753,8 @@ def plot_runs(run_dirs: list[str], out: str) -> None:
         rows = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
         start = json.loads(summary.read_text()).get("start_eval_acc") if summary.is_file() else None
         for ax, (key, title) in zip(axes.flat, panels):
-            pts = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
+            pts = [(row["step"], max(row[key], 1e-12) if key == "mismatch/kl" else row[key])  # log axis: a 0 at 1e-12
+                   for row in rows if row.get(key) is not None]
             if key == "eval/acc" and start is not None:  # the warm start, evaluated before step 1
                 pts = [(0, start)] + pts
             if key != "eval/acc" and len(pts) > 20:  # smooth the noisy per-step series
@@ -1764,7 +1765,7 @@ def plot_runs(run_dirs: list[str], out: str) -> None:
                 ax.plot(*zip(*pts), label=Path(rd).name, marker="o" if key == "eval/acc" else None, markersize=3)
             ax.set_title(title)
             ax.set_xlabel("step")
-    axes.flat[2].set_yscale("symlog", linthresh=1e-5)
+    axes.flat[2].set_yscale("log")
     axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
