@@ -20,7 +20,8 @@ Where each piece lives (read top to bottom: the method, then Appendix A plumbing
     ACR, upper bound (1+eps_high)/min(1, C pi_behav/pi_prox) (QuRL Eq. 9)   policy_loss(loss="acr")
     TBPO's sequence ratio, weight and trust band (QaRL)                     policy_loss(loss="tbpo")
     k3 KL (mismatch metric, optional KL penalty)                            k3, mismatch_metrics, kl_penalty
-    W8A8 FP8 / INT8 and W4A16 NF4                   quantize_fp8, quantize_int8, quantize_nf4, w8a8_matmul, QuantLinear
+    W8A8 FP8 / INT8 and W4A16 NF4 codes                                     quantize(_fp8/_int8/_nf4), dequantize
+    the sampler's quantized linear                                          w8a8_matmul, QuantLinear
     weight sync and flip rate (QuRL's weight-update problem)                sync_weights
     invariant scaling W x = (W/s)(s x) (QuRL Eq. 11-12)                     invariant_scale
     rollout-aligned forward (QaRL)                                          aligned_linear, rollout_aligned
