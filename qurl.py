@@ -186,8 +186,10 @@ def _boxed(text: str) -> str | None:
     """Content of the last \\boxed{...}, braces balanced."""
     start = text.rfind("\\boxed")
     i = text.find("{", start) if start >= 0 else -1
+    if i < 0:
+        return None
     depth = 0
-    for j in range(i, len(text)) if i >= 0 else ():
+    for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return text[i + 1:j]
@@ -301,8 +303,8 @@ def w8a8_matmul(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, fmt:
             amax = x2.detach().float().abs().amax(dim=-1, keepdim=True)
             shift = torch.exp2(torch.ceil(torch.log2((amax / INT8_X_MAX).clamp(min=1.0))))  # a power of 2: exact
             if not x2.is_cuda and bool((shift > 1).any()):  # (a host sync: on CUDA it would stall every decode step)
-                warnings.warn(f"INT8: activations up to {float(amax.max()):.3g} exceed fp16's range for "
-                              f"bitsandbytes; those tokens are scaled by a power of 2 and back")
+                warnings.warn("INT8: activations exceed fp16's range for bitsandbytes (65504); those tokens are "
+                              "scaled by a power of 2 and back, exactly")  # one text: warned once, not per value
             x8, s_x = quantize_int8(x2 / shift)
             acc = bnbF.int8_linear_matmul(x8, w_q)                             # int32 = x8 @ w8^T
             return bnbF.int8_mm_dequant(acc, s_x, w_scale).float() * shift     # * absmax_x*absmax_w/127^2
@@ -975,8 +977,8 @@ def run_eval(rl: Learner, args: Args, run: RunState) -> tuple[float, float | Non
     """Greedy held-out accuracy of the fp actor (and pass@k with --eval-k), in the learner's compute dtype."""
     rl.model.eval()
     with autocast(rl.gen.device, rl.dtype):
-        res = evaluate(rl.model, rl.tok, run.test_set, max_new_tokens=args.max_new_tokens, batch_size=args.eval_batch,
-                     k=args.eval_k, seed=args.seed)
+        res = evaluate(rl.model, rl.tok, run.test_set, max_new_tokens=args.max_new_tokens,
+                       batch_size=args.eval_batch, k=args.eval_k, seed=args.seed)
     rl.model.train()
     return res["acc"], res.get(f"pass@{args.eval_k}")
 
@@ -1254,10 +1256,12 @@ def load_model(name_or_path: str = "data/tiny-qwen", device="cpu", dtype=torch.f
 def check_prompt_lengths(model, tok, problems: list[dict], max_new_tokens: int) -> None:
     """Refuse, before anything is written, problems whose prompt + response cannot fit the model's context."""
     limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is None:
+        return
     lens = [len(x) for x in tok([format_prompt(p["question"], tok) for p in problems],
-                                add_special_tokens=False)["input_ids"]] if limit else [0]
+                                add_special_tokens=False)["input_ids"]]
     i = max(range(len(lens)), key=lens.__getitem__)
-    if limit and lens[i] + max_new_tokens > limit:
+    if lens[i] + max_new_tokens > limit:
         raise QurlError(f"problem {i + 1} ({problems[i]['question'][:40]!r}...): prompt of {lens[i]} tokens + "
                         f"--max-new-tokens {max_new_tokens} exceeds the model's context of {limit}; shorten or "
                         f"drop long problems, or lower --max-new-tokens")
@@ -1372,10 +1376,10 @@ def resume_from(rl: Learner, run: RunState, ckpt: dict) -> None:
     random.setstate(ckpt["rng_python"])
     torch.set_rng_state(ckpt["rng_torch"])
     rl.gen.set_state(ckpt["rng_sampler"])
-    log = run.dir / "metrics.jsonl"  # lines logged after the checkpoint would be written twice: drop them
-    keep = [l for l in log.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= run.step] \
-        if log.exists() else []
-    log.write_text("".join(l + "\n" for l in keep))
+    log = run.dir / "metrics.jsonl"
+    if log.exists():  # lines logged after the checkpoint would be written twice: drop them
+        keep = [l for l in log.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= run.step]
+        log.write_text("".join(l + "\n" for l in keep))
     notice(f"resumed {run.dir} at step {run.step}")
 
 
@@ -1439,8 +1443,7 @@ def _tracker_module(kind: str | None):
             from torch.utils.tensorboard import SummaryWriter
             return SummaryWriter
     except ImportError:
-        pkg = {"wandb": "wandb", "tensorboard": "tensorboard"}[kind]
-        raise QurlError(f"--track {kind} needs the {pkg} package: pip install {pkg} (or drop --track)") from None
+        raise QurlError(f"--track {kind} needs the {kind} package: pip install {kind} (or drop --track)") from None
 
 
 @contextlib.contextmanager
@@ -1586,10 +1589,10 @@ def bench_rollout(args: Args, fmts: tuple[str, ...] | None = None) -> list[dict]
                 row = {"model": args.model_config or Path(args.model).name, "quant": fmt, "batch": len(prompts) * G,
                        "len": args.bench_len, "temperature": temp, "tok_s": tok_s}
                 if fmts:
-                    base[batch] = base.get(batch, tok_s)
-                    row.update(ratio_to_unquantized=tok_s / base[batch], linear_share=_linear_share(actor, run, device)
-                               / t, kernel=next((mod.kernel for mod in actor.modules() if isinstance(mod, QuantLinear)),
-                                                "nn.Linear"))
+                    base[batch] = base.get(batch, tok_s)  # "none" comes first: the unquantized baseline
+                    kernel = next((mod.kernel for mod in actor.modules() if isinstance(mod, QuantLinear)), "nn.Linear")
+                    row.update(ratio_to_unquantized=tok_s / base[batch],
+                               linear_share=_linear_share(actor, run, device) / t, kernel=kernel)
                 else:
                     row.update(generate_tok_s=_generate_tok_s(actor, tok, prompts, G, temp, ignore_eos, args, device))
                     row["ratio"] = tok_s / row["generate_tok_s"]
