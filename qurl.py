@@ -1185,6 +1185,13 @@ def load_problems(spec: str, split: str = "train", question_field: str = "questi
     return problems
 
 
+def load_data(args: Args) -> tuple[list[dict], list[dict]]:
+    """(training problems, held-out problems) from the files or hub data sets the flags name."""
+    train_set, test_set = (load_problems(spec, split, args.question_field, args.answer_field, args.data_config)
+                           for spec, split in [(args.train_data, args.train_split), (args.test_data, args.test_split)])
+    return train_set, test_set
+
+
 @contextlib.contextmanager
 def _quiet_datasets():
     """`datasets` without progress bars and without its own error log lines: qurl reports a failure in one line."""
@@ -1321,8 +1328,7 @@ def start_run(args: Args) -> tuple[Learner, RunState]:
     torch.manual_seed(args.seed)
     model, tok = load_model(args.model, device, torch.float32)  # fp32 master weights; forwards run in `dtype`
     prepare_actor(model, args.grad_checkpointing)
-    train_set, test_set = (load_problems(spec, split, args.question_field, args.answer_field, args.data_config)
-                           for spec, split in [(args.train_data, args.train_split), (args.test_data, args.test_split)])
+    train_set, test_set = load_data(args)
     test_set = test_set[:args.eval_size] if args.eval_size else test_set
     check_prompt_lengths(model, tok, train_set + test_set, args.max_new_tokens)
     d = check_run_dir(args)
@@ -1722,8 +1728,7 @@ def bench_train(args: Args) -> list[dict]:
 def dry_run(args: Args) -> None:
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     model, tok = load_model(args.model, device, dtype)
-    train_set, test_set = (load_problems(spec, split, args.question_field, args.answer_field, args.data_config)
-                           for spec, split in [(args.train_data, args.train_split), (args.test_data, args.test_split)])
+    train_set, test_set = load_data(args)
     n_params, dtype_name = sum(param.numel() for param in model.parameters()), str(dtype).replace("torch.", "")
     print(json.dumps(dataclasses.asdict(args), indent=1))
     print(f"device {device}, dtype {dtype_name}")
