@@ -73,89 +73,78 @@ def notice(msg: str) -> None:
 
 
 def arg(default, help: str, **kw):
+    """A flag: its default, its one-line --help, and argparse extras (choices, nargs; group starts a --help section)."""
     return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass
 class Args:
-    # model and data files
-    model: str = arg("data/tiny-qwen", "model folder or hub name (e.g. Qwen/Qwen2.5-0.5B-Instruct)")
+    model: str = arg("data/tiny-qwen", "model folder or hub name (e.g. Qwen/Qwen2.5-0.5B-Instruct)",
+                     group="model and data")
     train_data: str = arg("data/arith_train.jsonl", "training problems: .jsonl/.json/.parquet file or hub data set")
     test_data: str = arg("data/arith_test.jsonl", "held-out problems for evaluation (file or hub data set)")
-    # hub data sets: config, splits, fields
-    data_config: str | None = arg(None, "hub data set config (openai/gsm8k defaults to 'main')")
+    data_config: str | None = arg(None, "hub data set config (openai/gsm8k defaults to 'main')", group="hub data sets")
     train_split: str = arg("train", "split of a hub training set")
     test_split: str = arg("test", "split of a hub evaluation set")
     question_field: str = arg("question", "field holding the problem text")
     answer_field: str = arg("answer", "field holding the gold answer ('#### 42', '\\boxed{42}' or a bare value)")
-    # quantized rollout
-    quant: str = arg("fp8", "rollout actor precision: W8A8 int8/fp8, W4A16 nf4", choices=["none", "int8", "fp8", "nf4"])
+    quant: str = arg("fp8", "rollout actor precision: W8A8 int8/fp8, W4A16 nf4", choices=["none", "int8", "fp8", "nf4"],
+                     group="quantized rollout")
     fp8_kernel: str = arg("auto", "FP8 matmul: torch._scaled_mm, dequantize-and-matmul emulation, or auto (_scaled_mm "
                                   "on CUDA >= 8.9, else emulation)", choices=["auto", "scaled_mm", "emulate"])
     invariant_scale: float | None = arg(None, "QuRL invariant scaling s (default 1.5 with a quantized actor, else 1)")
     align_forward: bool = arg(False, "QaRL: train through the sampler's quantizer (fake-quant, straight-through)")
-    # objective: the token losses (naive, tis, acr) and the KL penalty
-    loss: str = arg("acr", "policy objective", choices=["naive", "tis", "acr", "tbpo"])
+    loss: str = arg("acr", "policy objective", choices=["naive", "tis", "acr", "tbpo"], group="objective")
     eps_low: float = arg(0.2, "PPO lower clip: ratio >= 1 - eps_low")
     eps_high: float = arg(0.28, "PPO upper clip: ratio <= 1 + eps_high (DAPO clip-higher)")
     is_cap: float = arg(2.0, "truncation C of pi_prox/pi_behav (token losses) or of the sequence weight w_i (tbpo)")
     kl_coef: float = arg(0.0, "weight of the k3 KL penalty to the initial actor (0: off, no reference model)")
-    # objective: TBPO's trust band
-    tbpo_eps_low: float = arg(3e-4, "TBPO: lower edge of the band, s_i >= 1 - eps")
+    tbpo_eps_low: float = arg(3e-4, "TBPO: lower edge of the band, s_i >= 1 - eps", group="TBPO's trust band")
     tbpo_eps_high: float = arg(4e-4, "TBPO: upper edge for A >= 0, s_i <= 1 + eps")
     tbpo_eps_high_neg: float = arg(7e-4, "TBPO: upper edge of the trust band for A < 0, s_i <= 1 + eps")
     tbpo_max_mismatch: float | None = arg(None, "TBPO: also drop sequences whose w_i lies outside [1/M, M] (off)")
-    # the RL loop
-    steps: int = arg(900, "RL steps (one rollout batch and its updates per step)")
+    steps: int = arg(900, "RL steps (one rollout batch and its updates per step)", group="the RL loop")
     prompts_per_step: int = arg(16, "distinct problems per step")
     group_size: int = arg(8, "samples per problem (GRPO group)")
     skip_zero_adv: bool = arg(True, "leave groups whose rewards are all equal (no gradient) out of the update")
-    # sampling
-    max_new_tokens: int = arg(32, "response length limit")
+    max_new_tokens: int = arg(32, "response length limit", group="sampling")
     temperature: float = arg(1.0, "sampling temperature (0: greedy); log-probs on both sides use logits/T")
     top_p: float = arg(1.0, "nucleus sampling; < 1 biases the importance ratio (warned)")
-    # optimisation
-    lr: float = arg(1e-4, "AdamW learning rate")
+    lr: float = arg(1e-4, "AdamW learning rate", group="optimisation")
     lr_schedule: str = arg("cosine", "constant, or cosine decay to 0 at --steps", choices=["constant", "cosine"])
     ppo_epochs: int = arg(1, "passes over each rollout batch")
     mini_batches: int = arg(1, "optimizer steps per pass (the batch is split into this many mini-batches)")
     max_grad_norm: float = arg(1.0, "gradient clipping norm")
-    # memory (not the math)
-    micro_batch: int = arg(64, "rows per forward and backward (gradient accumulation): sets memory, not the math")
+    micro_batch: int = arg(64, "rows per forward and backward (gradient accumulation): sets memory, not the math",
+                           group="memory (not the math)")
     grad_checkpointing: bool = arg(False, "recompute activations in backward: less memory, about 1/3 more compute")
-    # evaluation
-    eval_every: int = arg(100, "evaluate the fp actor (greedy) every N steps, and at the end")
+    eval_every: int = arg(100, "evaluate the fp actor (greedy) every N steps, and at the end", group="evaluation")
     eval_size: int = arg(500, "held-out problems per evaluation (0: all)")
     eval_batch: int = arg(256, "rows per evaluation batch")
     eval_k: int = arg(0, "also log eval/pass@k from k samples per problem at T = 1 (0: off; costs ~k evaluations)")
-    # logging, checkpoints, guards
-    log_every: int = arg(10, "print a progress line every N steps")
+    log_every: int = arg(10, "print a progress line every N steps", group="logging, checkpoints, guards")
     save_every: int = arg(50, "write a checkpoint every N steps (and on Ctrl-C or SIGTERM)")
     max_bad_steps: int = arg(3, "stop after this many non-finite updates in a row")
     track: str | None = arg(None, "also log the metrics to wandb or tensorboard (installed separately)",
                             choices=["wandb", "tensorboard"])
-    # device and seed
-    seed: int = arg(1, "seeds python, torch, the data order and the sampler")
+    seed: int = arg(1, "seeds python, torch, the data order and the sampler", group="device and seed")
     device: str = arg("auto", "cpu, cuda or auto")
     dtype: str = arg("auto", "compute dtype of the forwards: auto (bf16 on cuda, else fp32), float32 or bfloat16")
-    # the run folder
-    out_dir: str = arg("runs", "where runs/<run-name>/ is written")
+    out_dir: str = arg("runs", "where runs/<run-name>/ is written", group="the run folder")
     run_name: str | None = arg(None, "run folder name (default: <quant>-<loss>-s<seed>)")
     resume: str | None = arg(None, "continue the run in this folder from its checkpoint")
     overwrite: bool = arg(False, "replace an existing run folder (only one qurl created)")
-    # tools instead of training
-    dry_run: bool = arg(False, "print the resolved config, model size, data and one prompt, then exit")
+    dry_run: bool = arg(False, "print the resolved config, model size, data and one prompt, then exit",
+                        group="tools instead of training")
     plot: list[str] | None = arg(None, "draw these run folders' metrics into --out and exit", nargs="+")
     out: str = arg("assets/runs.png", "output file of --plot")
-    # benchmarks
-    bench_rollout: bool = arg(False, "benchmark sample() against model.generate and exit")
+    bench_rollout: bool = arg(False, "benchmark sample() against model.generate and exit", group="benchmarks")
     bench_quant: bool = arg(False, "benchmark rollout tokens/s for none/int8/fp8/nf4 (EOS ignored) and exit")
     bench_memory: bool = arg(False, "peak memory of a step's update against its rows (--bench-batch) and exit")
     bench_train: bool = arg(False, "seconds and peak memory per RL step at the real sizes (random rewards) and exit")
-    # benchmark settings
     model_config: str | None = arg(None, "bench a published architecture with random weights instead of --model",
                                    choices=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b",
-                                            "qwen2-h512-l8"])
+                                            "qwen2-h512-l8"], group="benchmark settings")
     bench_batch: str = arg("128", "bench batch sizes, comma separated (rows = prompts x group)")
     bench_len: int = arg(32, "bench response length")
     bench_runs: int = arg(5, "bench repetitions (the median is reported)")
@@ -1033,14 +1022,16 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                      argument_default=None if defaults else argparse.SUPPRESS)
     parser.error = lambda msg: _die(f"{msg} (see python qurl.py --help)")  # one line, no usage dump
+    section = parser
     for f in dataclasses.fields(Args):
         name, meta, kind = "--" + f.name.replace("_", "-"), f.metadata, str(f.type)
         default = f.default if defaults else argparse.SUPPRESS
+        section = parser.add_argument_group(meta["group"]) if "group" in meta else section
         if kind == "bool":
-            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
+            section.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
         else:
-            parser.add_argument(name, type={"int": int, "float": float}.get(kind.split(" ")[0], str), default=default,
-                                help=meta["help"], choices=meta.get("choices"), nargs=meta.get("nargs"))
+            section.add_argument(name, type={"int": int, "float": float}.get(kind.split(" ")[0], str), default=default,
+                                 help=meta["help"], choices=meta.get("choices"), nargs=meta.get("nargs"))
     return parser
 
 

@@ -3,6 +3,8 @@
 Numbers are checked against independent references: teacher-forced log-probs, model.generate, a plain fp32
 nn.Linear, hand-computed loss values and the recorded warm-up accuracy.
 """
+import contextlib
+import io
 import json
 import math
 import os
@@ -36,10 +38,21 @@ def problems():
     return qurl.load_problems(TEST)
 
 
-def run_cli(*argv, cwd=HERE, timeout=120, **env_extra):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", **env_extra)
-    return subprocess.run([sys.executable, str(HERE / "qurl.py"), *argv], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout, env=env)
+def run_cli(*argv, fresh=False, **env_extra):
+    """`python qurl.py ARGV`: in this process through qurl.main (fast), or with fresh=True (or an environment
+    variable to set) in a new process: the real entry point, its own peak memory, and every library's log line on its
+    stderr (in this process a library's log handler keeps the stream it was created with)."""
+    if fresh or env_extra:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", **env_extra)
+        return subprocess.run([sys.executable, str(HERE / "qurl.py"), *argv], capture_output=True, text=True,
+                              cwd=HERE, timeout=120, env=env)
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            qurl.main(list(argv))
+        except SystemExit as e:
+            code = e.code
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def assert_one_line_error(res, *needles):
@@ -1039,7 +1052,8 @@ def test_bad_data_file(tmp_path, content, needles):
 def test_corrupt_parquet_or_json_one_line(tmp_path, suffix, content):
     f = tmp_path / f"bad{suffix}"
     f.write_bytes(content)
-    assert_one_line_error(run_cli("--dry-run", "--train-data", str(f)), str(f), "cannot be read")
+    # a fresh process: the data-set library reads these files, and none of its log lines may reach the user
+    assert_one_line_error(run_cli("--dry-run", "--train-data", str(f), fresh=True), str(f), "cannot be read")
 
 
 def test_missing_data_file(tmp_path):
@@ -1067,8 +1081,10 @@ def test_missing_data_file(tmp_path):
 def test_bad_cli_input_one_line(tmp_path, argv, needles):
     if "CUDA was requested" in needles and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    # an empty Hugging Face cache: a machine that once downloaded the hub model or data set must still see "offline"
-    assert_one_line_error(run_cli(*argv, HF_HOME=str(tmp_path / "hf")), *needles)
+    # the ones that look for a model or data set run in a fresh process with an empty Hugging Face cache: a machine
+    # that once downloaded the hub model or data set must still see "offline"
+    env = {"HF_HOME": str(tmp_path / "hf")} if "--dry-run" in argv else {}
+    assert_one_line_error(run_cli(*argv, **env), *needles)
 
 
 @pytest.mark.parametrize("argv,expect", [
@@ -1299,8 +1315,9 @@ def test_track_without_its_package_is_one_line_and_writes_nothing(tmp_path, monk
 # Appendix B: tools (help and dry run, benchmarks, plots)
 # ======================================================================================================================
 def test_cli_help_and_dry_run():
-    res = run_cli("--help")
+    res = run_cli("--help", fresh=True)  # the real entry point
     assert res.returncode == 0 and "--invariant-scale" in res.stdout and "rollout actor precision" in res.stdout
+    assert "\nquantized rollout:\n" in res.stdout and "\nTBPO's trust band:\n" in res.stdout  # --help in sections
     res = run_cli("--dry-run", "--quant", "fp8")
     assert res.returncode == 0, res.stderr
     assert "Qwen2ForCausalLM" in res.stdout and "20000 train, 500 test" in res.stdout and "Q: What is" in res.stdout
@@ -1330,7 +1347,7 @@ def test_bench_train_and_memory_on_the_tiny_model(tmp_path, capsys):
                "8", "--bench-runs", "1", "--bench-out", str(out)])
     # a fresh process: in this long-lived one, memory freed by earlier tests can serve the whole step
     res = run_cli("--bench-memory", "--quant", "none", "--bench-batch", "4,8", "--bench-len", "8", "--micro-batch", "2",
-                  "--bench-out", str(out))
+                  "--bench-out", str(out), fresh=True)
     assert res.returncode == 0, res.stderr
     rows = [json.loads(l) for l in out.read_text().splitlines()]
     assert [("step_s" in r, r.get("rows")) for r in rows] == [(True, 8), (True, 4), (True, 8)]
