@@ -284,7 +284,8 @@ def w8a8_matmul(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, fmt:
                 w_deq: torch.Tensor | None = None) -> torch.Tensor:
     """y = Q(x2) @ Q(W)^T for (M, K) activations, quantized per token here, and (N, K) weight codes with per-row
     scales: the sampler's kernel. Returns fp32 (rounded to fp16 for INT8 and to bf16 for CUDA FP8, as those kernels
-    return it). w_deq: the weights dequantized once (CPU FP8 emulation)."""
+    return it). w_deq: the weights dequantized once (CPU FP8 emulation). kernel 'scaled_mm' raises torch's error where
+    torch refuses the call; 'emulate' is the same math anywhere."""
     dev_type = x2.device.type   # the kernel fixes its own numerics: no autocast inside
     with torch.autocast(dev_type, enabled=False) if torch.is_autocast_enabled(dev_type) else contextlib.nullcontext():
         if fmt == "int8":
@@ -300,12 +301,8 @@ def w8a8_matmul(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, fmt:
         x8, s_x = quantize_fp8(x2)
         s_x = s_x[:, None]
         if kernel == "scaled_mm":
-            try:
-                return torch._scaled_mm(x8, w_q.t(), scale_a=s_x, scale_b=w_scale[None, :], out_dtype=torch.bfloat16
-                                        if x2.is_cuda else torch.float32).float()
-            except (RuntimeError, ValueError) as e:  # a build or device that refuses row-wise scales
-                warnings.warn(f"FP8: torch._scaled_mm refused this call ({str(e)[:80]}); using dequantize-and-matmul "
-                              f"with the same numerics")
+            return torch._scaled_mm(x8, w_q.t(), scale_a=s_x, scale_b=w_scale[None, :], out_dtype=torch.bfloat16
+                                    if x2.is_cuda else torch.float32).float()
         if w_deq is not None:           # CPU: weights dequantized once per sync, scales applied before the sum
             return F.linear(x8.float() * s_x, w_deq)
         if x2.is_cuda:                  # no FP8 tensor cores (A100): bf16 holds every e4m3 code exactly
@@ -369,8 +366,17 @@ class QuantLinear(nn.Module):
             return F.linear(x, weight, self.bias)
         dev_type = x.device.type  # a linear returns the autocast dtype inside torch.autocast, else the input's
         out_dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else x.dtype
-        y = w8a8_matmul(x.reshape(-1, self.in_features), self.weight_q, self.weight_scale, self.fmt, self.kernel,
-                        self.weight_deq).to(out_dtype)
+        x2 = x.reshape(-1, self.in_features)
+        try:
+            y = w8a8_matmul(x2, self.weight_q, self.weight_scale, self.fmt, self.kernel, self.weight_deq)
+        except (RuntimeError, ValueError) as e:  # a build or device that refuses row-wise scales: switch, once
+            if self.kernel != "scaled_mm" or isinstance(e, torch.OutOfMemoryError):
+                raise
+            warnings.warn(f"FP8: torch._scaled_mm refused a call ({str(e)[:80]}); this layer uses "
+                          f"dequantize-and-matmul from now on, same numerics")
+            self.kernel = "emulate"
+            y = w8a8_matmul(x2, self.weight_q, self.weight_scale, self.fmt, self.kernel, self.weight_deq)
+        y = y.to(out_dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)

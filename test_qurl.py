@@ -280,6 +280,27 @@ def test_fp8_without_scaled_mm_falls_back_with_notice(monkeypatch):
     assert _rel_err(q(x) - lin.bias, lin(x) - lin.bias) < 0.05
 
 
+def test_fp8_scaled_mm_refused_at_call_time_switches_once(monkeypatch):
+    """A build that has _scaled_mm but refuses the call (e.g. row-wise scales on an older GPU): the layer warns once,
+    switches to the emulation for good (no exception per call on the decode path) and returns the same values."""
+    lin, x = _realistic_linear()
+    q, ref = qurl.QuantLinear(lin, "fp8", "scaled_mm"), qurl.QuantLinear(lin, "fp8", "emulate")
+    calls = []
+
+    def refuse(*a, **kw):
+        calls.append(1)
+        raise RuntimeError("row-wise scaling is not supported here")
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    with pytest.warns(UserWarning, match="refused a call.*row-wise scaling"):
+        y1 = q(x)
+    y2 = q(x)
+    assert len(calls) == 1 and q.kernel == "emulate"
+    torch.testing.assert_close(y1, ref(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y2, ref(x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="row-wise"):  # the bare kernel function says what torch said
+        qurl.w8a8_matmul(x, q.weight_q, q.weight_scale, "fp8", "scaled_mm")
+
+
 def test_quantize_fp8_clamps_and_scales():
     w = torch.tensor([[1000.0, -2.0, 0.5], [0.0, 0.0, 0.0]])
     w8, s = qurl.quantize_fp8(w)
@@ -1413,9 +1434,9 @@ def test_cuda_quantlinear_matches_cpu_reference(fmt):
         lin_c.weight.copy_(lin.weight)
         lin_c.bias.copy_(lin.bias)
     q = qurl.QuantLinear(lin_c, fmt)
-    if fmt == "fp8" and torch.cuda.get_device_capability() >= (8, 9):
-        assert q.kernel == "scaled_mm"
     y = q(x.cuda().to(torch.bfloat16)).float().cpu()
+    if fmt == "fp8" and torch.cuda.get_device_capability() >= (8, 9):
+        assert q.kernel == "scaled_mm"  # chosen, and not refused at the call
     # bf16 weights and inputs (8 mantissa bits) and a bf16 output: about 0.5 % relative, bound 2 %
     assert _rel_err(y, ref) < 0.02
 
