@@ -1171,7 +1171,8 @@ def test_run_dir_rules(tmp_path, tiny):
     out = str(tmp_path / "runs")
     common = ["--out-dir", out, "--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-size", "4",
               "--quant", "none"]
-    assert_one_line_error(run_cli(*common, "--train-data", str(long_q), "--run-name", "long"),
+    # a fresh process: the tokenizer's own "longer than the maximum" log line must not reach the user either
+    assert_one_line_error(run_cli(*common, "--train-data", str(long_q), "--run-name", "long", fresh=True),
                           "exceeds the model's context")
     assert not (Path(out) / "long").exists()  # refused before anything was written
     assert run_cli(*common, "--run-name", "a").returncode == 0
