@@ -1428,7 +1428,8 @@ def finish_run(rl: Learner, run: RunState, args: Args) -> dict:
     summary = {"start_eval_acc": run.first_eval, "final_eval_acc": run.last_eval, "wall_s": round(wall, 1),
                "rollout_frac": run.rollout_s / max(run.step_s, 1e-9), "steps": args.steps,
                "skipped_updates": run.skipped, "invariant_scale": run.s, "eval_k": args.eval_k,
-               "start_pass_at_k": run.first_pass, "final_pass_at_k": run.last_pass}
+               "start_pass_at_k": run.first_pass, "final_pass_at_k": run.last_pass,
+               "torch_threads": torch.get_num_threads()}  # the order of float sums: a seed replays only with it
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
     start_txt = f"{run.first_eval:.3f}" if run.first_eval is not None else "-"
     print(f"done: eval/acc {start_txt} -> {run.last_eval:.3f} in {wall:.0f}s (rollout {summary['rollout_frac']:.0%} "

@@ -1189,7 +1189,9 @@ def test_run_dir_rules(tmp_path, tiny):
     assert res.returncode == 0, res.stderr
     rows = _metrics(Path(out) / "a/metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["quant/flip_rate"] == 0.0
-    assert rows[1]["rollout/len_mean"] > 0 and json.loads((Path(out) / "a/summary.json").read_text())["steps"] == 2
+    summary = json.loads((Path(out) / "a/summary.json").read_text())
+    assert rows[1]["rollout/len_mean"] > 0 and summary["steps"] == 2
+    assert summary["torch_threads"] == torch.get_num_threads()
     ck = torch.load(Path(out) / "a/ckpt/state.pt", weights_only=False)
     ck["model_id"]["hidden"] = 999
     (tmp_path / "other/ckpt").mkdir(parents=True)
