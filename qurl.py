@@ -49,8 +49,8 @@ Tests: python -m pytest -q
 """
 from __future__ import annotations
 
-import argparse, contextlib, copy, dataclasses, json, logging, math, os, random, re, shutil, signal, sys, time
-import warnings
+import argparse, contextlib, copy, dataclasses, inspect, json, logging, math, os, random, re, shutil, signal, sys
+import time, warnings
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -256,6 +256,13 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x8, absmax
 
 
+def int8_shift(x2: torch.Tensor) -> torch.Tensor:
+    """(M, 1) powers of 2 that bring each row's absmax under INT8_X_MAX: bitsandbytes takes fp16 (max 65504), and
+    real checkpoints carry activations of 1e4-1e5. Dividing by a power of 2 and multiplying back is exact."""
+    amax = x2.detach().float().abs().amax(dim=-1, keepdim=True)
+    return torch.exp2(torch.ceil(torch.log2((amax / INT8_X_MAX).clamp(min=1.0))))
+
+
 def quantize_nf4(weight: torch.Tensor):
     """Weight-only NF4 (bitsandbytes, QLoRA's 4-bit NormalFloat): blocks of 64 weights scaled by their absmax, each
     weight the nearest of 16 normal-quantile levels. Returns (packed codes, two per byte, and bnb's QuantState)."""
@@ -290,8 +297,7 @@ def w8a8_matmul(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, fmt:
     with torch.autocast(dev_type, enabled=False) if torch.is_autocast_enabled(dev_type) else contextlib.nullcontext():
         if fmt == "int8":
             import bitsandbytes.functional as bnbF
-            amax = x2.detach().float().abs().amax(dim=-1, keepdim=True)
-            shift = torch.exp2(torch.ceil(torch.log2((amax / INT8_X_MAX).clamp(min=1.0))))  # a power of 2: exact
+            shift = int8_shift(x2)
             if not x2.is_cuda and bool((shift > 1).any()):  # (a host sync: on CUDA it would stall every decode step)
                 warnings.warn("INT8: activations exceed fp16's range for bitsandbytes (65504); those tokens are "
                               "scaled by a power of 2 and back, exactly")  # one text: warned once, not per value
@@ -359,13 +365,15 @@ class QuantLinear(nn.Module):
         return changed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fmt == "nf4":  # W4A16: the dequantized weights meet activations in the compute dtype (autocast)
-            weight = self.weight_deq
-            if weight is None:  # CUDA: bitsandbytes dequantizes the 4-bit codes at every call
-                weight = dequantize(self.weight_q, self.weight_scale, self.nf4_state, "nf4")
-            return F.linear(x, weight, self.bias)
         dev_type = x.device.type  # a linear returns the autocast dtype inside torch.autocast, else the input's
         out_dtype = torch.get_autocast_dtype(dev_type) if torch.is_autocast_enabled(dev_type) else x.dtype
+        if self.fmt == "nf4":  # W4A16: the weights are dequantized into the compute dtype and meet x there
+            weight = self.weight_deq
+            if weight is None:  # CUDA: bitsandbytes dequantizes the 4-bit codes straight into it at every call
+                self.nf4_state.dtype = out_dtype
+                weight = dequantize(self.weight_q, self.weight_scale, self.nf4_state, "nf4")
+            bias = None if self.bias is None else self.bias.to(out_dtype)
+            return F.linear(x.to(out_dtype), weight.to(out_dtype), bias)
         x2 = x.reshape(-1, self.in_features)
         try:
             y = w8a8_matmul(x2, self.weight_q, self.weight_scale, self.fmt, self.kernel, self.weight_deq)
@@ -395,11 +403,10 @@ def quantize_actor(model: nn.Module, fmt: str, fp8_kernel: str = "auto") -> nn.M
     """A frozen copy of the model whose decoder-layer linears are QuantLinear (W8A8: 1 byte per weight, W4A16: 1/2)."""
     if fmt in ("int8", "nf4"):
         _require_bnb(fmt)
-    q_model = copy.deepcopy(model).eval().requires_grad_(False)
-    for name, lin in decoder_linears(q_model):
-        parent, _, child = name.rpartition(".")
-        setattr(q_model.get_submodule(parent), child, QuantLinear(lin, fmt, fp8_kernel))
-    return q_model
+    # deepcopy's memo puts each decoder linear's QuantLinear in its place: their full-precision weights are never
+    # copied, so building the actor never holds two full copies of the model (a 7B model has 28 GB of fp32 masters)
+    memo = {id(lin): QuantLinear(lin, fmt, fp8_kernel) for _, lin in decoder_linears(model)}
+    return copy.deepcopy(model, memo).eval().requires_grad_(False)
 
 
 def quant_bytes(q_model: nn.Module) -> tuple[int, int]:
@@ -456,7 +463,9 @@ def invariant_scale(model: nn.Module, s: float) -> None:
 def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """Quantize-dequantize in the sampler's format (per row for fp8/int8, NF4 blocks of 64 for nf4 weights),
     straight-through gradient: the value is quantized, the gradient is the identity."""
-    deq = dequantize(*quantize(x if fmt == "nf4" else x.reshape(-1, x.shape[-1]), fmt), fmt)
+    rows = x if fmt == "nf4" else x.reshape(-1, x.shape[-1])
+    shift = int8_shift(rows) if fmt == "int8" else 1.0   # the sampler's overflow handling (w8a8_matmul), exactly
+    deq = dequantize(*quantize(rows / shift, fmt), fmt) * shift
     return x + (deq.reshape(x.shape).to(x.dtype) - x).detach()
 
 
@@ -535,9 +544,16 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
     stops = torch.tensor(stop_token_ids(model, tokenizer), device=device)
     pad = tokenizer.pad_token_id
     cache = DynamicCache(config=model.config)
+    # transformers >= 5.24 names the keyword `cache`, earlier releases `past_key_values`; each ignores the other's
+    # silently (every decode step would then attend to its own token only), so ask the signature and check below
+    kv = {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
     pos = (am.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=am, position_ids=pos, cache=cache, use_cache=True,
-                   logits_to_keep=1).logits[:, -1]
+    logits = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True, logits_to_keep=1,
+                   **kv).logits[:, -1]
+    if cache.get_seq_length() != P:
+        import transformers
+        raise RuntimeError(f"sample: the model did not fill the KV cache (transformers {transformers.__version__}); "
+                           f"tested with transformers 4.57 to 5.25")
     cache.batch_repeat_interleave(n)  # rows [i*n, (i+1)*n) are prompt i's samples
     logits, am = logits.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
     next_pos = am.sum(-1)                                              # position of the next token
@@ -567,8 +583,8 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
             cache.batch_select_indices(keep)
             live, tok, am, next_pos, done = live[keep], tok[keep], am[keep], next_pos[keep], done[keep]
         am = torch.cat([am, am.new_ones(len(live), 1)], dim=1)
-        logits = model(input_ids=tok[:, None], attention_mask=am, position_ids=next_pos[:, None], cache=cache,
-                       use_cache=True).logits[:, -1]
+        logits = model(input_ids=tok[:, None], attention_mask=am, position_ids=next_pos[:, None], use_cache=True,
+                       **kv).logits[:, -1]
         next_pos = next_pos + 1
     response_mask = (torch.arange(R, device=device)[None, :] <= end[:, None]).float()
     tokens = tokens[:, :R].masked_fill(response_mask == 0, pad)
@@ -742,10 +758,9 @@ def make_rollout_actor(model: nn.Module, quant: str, dtype: torch.dtype, fp8_ker
         return quantize_actor(model, quant, fp8_kernel)
     if dtype == torch.float32:
         return model
-    actor = copy.deepcopy(model).eval().requires_grad_(False)
-    for param in actor.parameters():  # parameters only: buffers such as RoPE's inv_freq stay fp32, as engines do
-        param.data = param.data.to(dtype)
-    return actor
+    # parameters only (buffers such as RoPE's inv_freq stay fp32, as engines keep them), cast one at a time
+    memo = {id(param): nn.Parameter(param.detach().to(dtype), requires_grad=False) for param in model.parameters()}
+    return copy.deepcopy(model, memo).eval()
 
 
 def prepare_actor(model: nn.Module, grad_checkpointing: bool = False) -> None:
@@ -857,6 +872,7 @@ def update(rl: Learner, args: Args, ids, am, mask, logp_behav, adv, logp_prox=No
             gnorm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             if finite and torch.isfinite(gnorm):  # numeric guard: never step on NaN/inf
                 rl.opt.step()
+                torch.clear_autocast_cache()  # autocast keeps the bf16 copy of each weight until its block exits
             else:
                 skipped += 1
                 notice("non-finite loss or gradient: update skipped")

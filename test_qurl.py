@@ -477,6 +477,41 @@ def test_int8_massive_activations_stay_finite():
     assert len([w for w in seen if "fp16's range" in str(w.message)]) == 1
 
 
+def test_int8_aligned_forward_survives_massive_activations():
+    """The aligned forward's straight-through path quantizes activations as the sampler does (power-of-2 shift
+    into fp16's range): an activation of 1.5e5 gives the sampler's value and a finite gradient."""
+    lin, x = _realistic_linear()
+    x[0, 5] = 1.5e5
+    x.requires_grad_(True)
+    y = qurl.aligned_linear(lin, "int8", x)
+    assert torch.isfinite(y).all() and torch.equal(y.detach(), qurl.QuantLinear(lin, "int8")(x.detach()))
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(lin.weight.grad).all()
+    # d sum(y) / dW = sum over rows of fq(x): row 0 quantized at 4 times its scale (shift 4 = 2^ceil(log2(1.5e5/2^14)))
+    # rather than overflowing fp16, so it matches the definition applied to x / 4
+    fq0 = _ref_fake_quant(x.detach()[:1] / 4, "int8") * 4
+    want = fq0 + _ref_fake_quant(x.detach()[1:], "int8").sum(0, keepdim=True)
+    assert _rel_err(lin.weight.grad[0].double(), want[0]) < 1e-3
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("fmt", ["none", "fp8", "int8", "nf4"])
+def test_every_rollout_precision_samples_in_bf16(tiny, problems, fmt, autocast):
+    """The sampler's actor in bf16: a bf16 model (no autocast, as --bench-quant ran it) or fp32 masters under bf16
+    autocast (training). Its log-probs agree with the fp32 actor's teacher forcing to quantization noise."""
+    import copy
+    model, tok = tiny
+    base = copy.deepcopy(model) if autocast else copy.deepcopy(model).to(torch.bfloat16)
+    actor = base if fmt == "none" else qurl.quantize_actor(base, fmt)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ro = qurl.sample(actor, tok, _mixed_prompts(tok, problems), n=2, max_new_tokens=16,
+                         generator=torch.Generator().manual_seed(0))
+    lp = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask)
+    assert torch.isfinite(ro.logp_behav).all() and ro.response_mask.sum() > 20
+    kl = qurl.masked_mean(qurl.k3(lp - ro.logp_behav), ro.response_mask)
+    assert kl < 0.02, (fmt, float(kl))
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "nf4"])
 def test_aligned_forward_matches_quantized_actor(tiny, problems, fmt, autocast):
@@ -545,6 +580,25 @@ def test_greedy_matches_generate(tiny, problems):
         L = int(ro.response_mask[i].sum())
         assert ro.input_ids[i, ro.prompt_len:ro.prompt_len + L].tolist() == ref[i, :L].tolist()
         assert ref[i, L - 1] == tok.eos_token_id or L == 32
+
+
+def test_sampler_compat_refuses_a_model_that_ignores_the_cache(tiny, problems):
+    """transformers releases before 5.24 ignore `cache=`, later ones may drop `past_key_values=`: a decode without
+    its cache would be garbage with no error, so the sampler checks the cache after prefill and names the version."""
+    import transformers
+    model, tok = tiny
+
+    class NoCache(torch.nn.Module):  # a forward that swallows both cache keywords, as **kwargs do
+        def __init__(self):
+            super().__init__()
+            self.inner, self.config, self.generation_config = model, model.config, model.generation_config
+
+        def forward(self, **kw):
+            kw.pop("cache", None), kw.pop("past_key_values", None)
+            return self.inner(**kw)
+
+    with pytest.raises(RuntimeError, match=f"did not fill the KV cache \\(transformers {transformers.__version__}"):
+        qurl.sample(NoCache(), tok, _mixed_prompts(tok, problems), n=2, max_new_tokens=4, temperature=0)
 
 
 def test_eos_mask_by_position(tiny, problems):
@@ -917,6 +971,48 @@ def test_gradient_accumulation_equals_single_pass(tiny, problems, loss, kl):
     assert max(_rel_err(g, w) for g, w in zip(got, want)) < 1e-6
     if loss == "tbpo":  # the case has sequences out of band on both sides
         assert m["tbpo/kept"] == 0.5 and m["clip/low"] == 0.25 and m["clip/high"] == 0.25
+
+
+def test_bf16_updates_see_fresh_weights_after_each_optimizer_step(tiny, problems, monkeypatch):
+    """torch.autocast caches the bf16 copy of each weight until its block exits: with several mini-batches the
+    forwards after the first optimizer step must see the updated weights, as a fresh forward of that model does."""
+    import copy
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=16,
+                     generator=torch.Generator().manual_seed(0))
+    args = qurl.Args(loss="tis", mini_batches=2, micro_batch=8)
+    rl = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-2), model, tok, torch.Generator(),
+                      torch.bfloat16)
+    seen, after_first = [], []
+    plain_loss, plain_step = qurl.policy_loss, rl.opt.step
+    monkeypatch.setattr(qurl, "policy_loss", lambda logp, *a, **kw: (seen.append(logp.detach()), plain_loss(
+        logp, *a, **kw))[1])
+    rl.opt.step = lambda *a: (plain_step(*a), after_first or after_first.append(copy.deepcopy(model.state_dict())))
+    before = copy.deepcopy(model)
+    with qurl.autocast(torch.device("cpu"), torch.bfloat16):
+        qurl.update(rl, args, ro.input_ids, ro.attention_mask, ro.response_mask, ro.logp_behav,
+                    torch.tensor([1.0, -1.0] * 8), ro.logp_behav.clone())
+    fresh = copy.deepcopy(model)
+    fresh.load_state_dict(after_first[0])
+    rows = slice(8, 16)  # the second mini-batch, after the first optimizer step
+    with torch.no_grad(), qurl.autocast(torch.device("cpu"), torch.bfloat16):
+        want, stale = (qurl.token_logprobs(m, ro.input_ids[rows], ro.attention_mask[rows], ro.response_mask[rows])
+                       for m in (fresh, before))
+    assert torch.equal(seen[1], want)                          # the updated model, bit for bit
+    assert (seen[1] - stale).abs().max() > 0.05                # and not the weights before the step
+
+
+def test_bf16_clip_fraction_with_several_updates_tracks_fp32(tmp_path):
+    """The issue's command: with 4 mini-batches at a high lr the PPO clip acts; bf16 must clip about as often as
+    fp32 (stale weights under autocast clipped ~8x less: 3.1 % against 26 %)."""
+    clip = {}
+    for dtype in ("float32", "bfloat16"):
+        qurl.train(_small_args(tmp_path, run_name=dtype, quant="none", loss="tis", mini_batches=4, lr=3e-3,
+                               eps_low=0.02, eps_high=0.02, steps=1, dtype=dtype, prompts_per_step=16, group_size=8,
+                               max_new_tokens=32, eval_size=8))
+        row = json.loads((tmp_path / dtype / "metrics.jsonl").read_text())
+        clip[dtype] = row["clip/low"] + row["clip/high"]
+    assert clip["float32"] > 0.1 and 0.5 < clip["bfloat16"] / clip["float32"] < 2, clip
 
 
 def test_mini_batches_split_exactly():
