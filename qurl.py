@@ -4,23 +4,23 @@ RL for reasoning spends most of its time generating rollouts. QuRL generates the
 actor (W8A8: INT8 through bitsandbytes, or FP8 e4m3 through torch; QaRL also W4A16 NF4) and trains the
 *full-precision* actor. The data are then slightly off-policy, so the loss has to know about three policies:
 
-    logp_behav  pi_behav  the quantized old actor that sampled the tokens      (recorded by `sample`)
-    logp_prox   pi_prox   the full-precision old actor, before this step's update (`token_logprobs`, no grad)
-    logp        pi_theta  the actor being trained                              (`token_logprobs`, with grad)
+    logp_behav  pi_behav  the quantized old actor that sampled the tokens        (recorded by `sample`)
+    logp_prox   pi_prox   the full-precision old actor, before this step's update  (`token_logprobs`, no grad)
+    logp        pi_theta  the actor being trained                                (`token_logprobs`, with grad)
 
 Decoupled PPO clips the ratio pi_theta/pi_prox and corrects pi_prox/pi_behav with a truncated importance weight
 (TIS). QuRL's Adaptive Clipping Range (ACR) widens the upper clip bound exactly where truncation shrank the trust
 region, and its invariant scaling makes small RL updates survive re-quantization. QaRL trains through the same
 quantizer the sampler uses (`--align-forward`) and replaces the token loss by a sequence-level trust band (TBPO).
 
-Where each piece lives (read top to bottom: the method, then Appendix A plumbing, Appendix B tools):
+Where each piece lives (the method first, then Appendix A plumbing and Appendix B tools):
     GRPO advantage                                                          group_advantages
-    naive ratio pi_theta/pi_behav                                           policy_loss(loss="naive")
-    decoupled PPO + TIS, w = min(pi_prox/pi_behav, C) (QuRL Eq. 5)          policy_loss(loss="tis")
-    ACR, upper bound (1+eps_high)/min(1, C pi_behav/pi_prox) (QuRL Eq. 9)   policy_loss(loss="acr")
-    TBPO's sequence ratio, weight and trust band (QaRL)                     policy_loss(loss="tbpo")
+    naive ratio pi_theta/pi_behav                                           token_loss(loss="naive")
+    decoupled PPO + TIS, w = min(pi_prox/pi_behav, C) (QuRL Eq. 5)          token_loss(loss="tis")
+    ACR, upper bound (1+eps_high)/min(1, C pi_behav/pi_prox) (QuRL Eq. 9)   token_loss(loss="acr")
+    TBPO's sequence ratio, weight and trust band (QaRL)                     tbpo_loss
     k3 KL (mismatch metric, optional KL penalty)                            k3, mismatch_metrics, kl_penalty
-    W8A8 FP8 / INT8 and W4A16 NF4 codes                                     quantize(_fp8/_int8/_nf4), dequantize
+    W8A8 FP8 / INT8 and W4A16 NF4 codes                                     quantize, dequantize
     the sampler's quantized linear                                          w8a8_matmul, QuantLinear
     weight sync and flip rate (QuRL's weight-update problem)                sync_weights
     invariant scaling W x = (W/s)(s x) (QuRL Eq. 11-12)                     invariant_scale
@@ -31,17 +31,16 @@ Where qurl departs from the papers, and why:
     1. TBPO: the paper does not print every detail. qurl's reading: a geometric-mean sequence ratio, a sequence-level
        mismatch weight capped at --is-cap, and out-of-band sequences dropped from the loss and its denominator.
     2. One update per rollout is the default (the tiny model learns best so); there R = 1, so the PPO clip, ACR and
-       TBPO's band never bind (a notice says so). Use --mini-batches > 1 for the papers' regime.
+       TBPO's band never bind. Use --mini-batches > 1 for the papers' regime.
     3. The rollout actor keeps its non-quantized parts as an fp32 copy run under the learner's autocast, so that the
        aligned forward reproduces it bit for bit; an inference engine would hold them in bf16.
-    4. Groups whose rewards are all equal are left out of the update (--skip-zero-adv), and the learning rate decays
-       (cosine) by default.
+    4. Groups whose rewards are all equal are left out of the update, and the learning rate decays (cosine).
     5. Evaluation is greedy, of the full-precision actor (the model that is trained and saved).
 
 Run (CPU, the embedded tiny model; the README gives the timings and what to expect):
     python qurl.py --quant fp8
-    python qurl.py --quant fp8 --dry-run          # check the config, data and model, then exit
-    python qurl.py --bench-rollout --quant fp8    # our sampler vs model.generate, tokens/s
+    python qurl.py --quant fp8 --dry-run          # config, data, one prompt, estimated memory; then exit
+    python qurl.py --bench rollout                # tokens/s of each rollout precision and of model.generate
 Run (one GPU, a real Qwen on GSM8K; `bash .ci/gpu` is the prepared GPU check):
     python qurl.py --model Qwen/Qwen2.5-0.5B-Instruct --train-data openai/gsm8k --test-data openai/gsm8k \\
         --quant fp8 --max-new-tokens 512 --prompts-per-step 32 --group-size 8 --lr 1e-6 --steps 200
@@ -63,97 +62,73 @@ import torch.nn.functional as F  # noqa: E402
 HERE = Path(__file__).resolve().parent
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its import-time note on an optional CPU 4-bit package
 
-
 class QurlError(Exception):
     """A problem with the user's input: main() prints it as one line and exits 2, without a traceback."""
 
-
 def notice(msg: str) -> None:
     print(f"qurl: {msg}", file=sys.stderr, flush=True)
-
 
 def arg(default, help: str, **kw):
     """A flag: its default, its one-line --help, and argparse extras (choices, nargs; group starts a --help section)."""
     return field(default=default, metadata={"help": help, **kw})
 
-
 @dataclass
 class Args:
     model: str = arg("data/tiny-qwen", "model folder or hub name (e.g. Qwen/Qwen2.5-0.5B-Instruct)",
                      group="model and data")
-    train_data: str = arg("data/arith_train.jsonl", "training problems: .jsonl/.json/.parquet file or hub data set")
-    test_data: str = arg("data/arith_test.jsonl", "held-out problems for evaluation (file or hub data set)")
-    data_config: str | None = arg(None, "hub data set config (openai/gsm8k defaults to 'main')", group="hub data sets")
-    train_split: str = arg("train", "split of a hub training set")
-    test_split: str = arg("test", "split of a hub evaluation set")
-    question_field: str = arg("question", "field holding the problem text")
-    answer_field: str = arg("answer", "field holding the gold answer ('#### 42', '\\boxed{42}' or a bare value)")
+    train_data: str = arg("data/arith_train.jsonl", "training problems: a .jsonl/.json/.parquet file or a hub data "
+                                                    "set NAME[:CONFIG][@SPLIT] (split: train)")
+    test_data: str = arg("data/arith_test.jsonl", "held-out problems, the same way (split: test)")
+    fields: str = arg("question,answer", "the fields holding a problem and its gold answer ('#### 42', '\\boxed{42}')")
     quant: str = arg("fp8", "rollout actor precision: W8A8 int8/fp8, W4A16 nf4", choices=["none", "int8", "fp8", "nf4"],
                      group="quantized rollout")
-    fp8_kernel: str = arg("auto", "FP8 matmul: torch._scaled_mm, dequantize-and-matmul emulation, or auto (_scaled_mm "
-                                  "on CUDA >= 8.9, else emulation)", choices=["auto", "scaled_mm", "emulate"])
     invariant_scale: float | None = arg(None, "QuRL invariant scaling s (default 1.5 with a quantized actor, else 1)")
     align_forward: bool = arg(False, "QaRL: train through the sampler's quantizer (fake-quant, straight-through)")
     loss: str = arg("acr", "policy objective", choices=["naive", "tis", "acr", "tbpo"], group="objective")
     eps_low: float = arg(0.2, "PPO lower clip: ratio >= 1 - eps_low")
     eps_high: float = arg(0.28, "PPO upper clip: ratio <= 1 + eps_high (DAPO clip-higher)")
     is_cap: float = arg(2.0, "truncation C of pi_prox/pi_behav (token losses) or of the sequence weight w_i (tbpo)")
+    tbpo_band: tuple[float, float, float] = arg((3e-4, 4e-4, 7e-4), "TBPO keeps s_i >= 1 - LO and s_i <= 1 + HI+ "
+                                                "(A >= 0) or 1 + HI- (A < 0)", nargs=3, metavar=("LO", "HI+", "HI-"))
     kl_coef: float = arg(0.0, "weight of the k3 KL penalty to the initial actor (0: off, no reference model)")
-    tbpo_eps_low: float = arg(3e-4, "TBPO: lower edge of the band, s_i >= 1 - eps", group="TBPO's trust band")
-    tbpo_eps_high: float = arg(4e-4, "TBPO: upper edge for A >= 0, s_i <= 1 + eps")
-    tbpo_eps_high_neg: float = arg(7e-4, "TBPO: upper edge of the trust band for A < 0, s_i <= 1 + eps")
-    tbpo_max_mismatch: float | None = arg(None, "TBPO: also drop sequences whose w_i lies outside [1/M, M] (off)")
     steps: int = arg(900, "RL steps (one rollout batch and its updates per step)", group="the RL loop")
     prompts_per_step: int = arg(16, "distinct problems per step")
     group_size: int = arg(8, "samples per problem (GRPO group)")
-    skip_zero_adv: bool = arg(True, "leave groups whose rewards are all equal (no gradient) out of the update")
-    max_new_tokens: int = arg(32, "response length limit", group="sampling")
-    temperature: float = arg(1.0, "sampling temperature (0: greedy); log-probs on both sides use logits/T")
-    top_p: float = arg(1.0, "nucleus sampling; < 1 biases the importance ratio (warned)")
+    max_new_tokens: int = arg(32, "response length limit (also the length --bench samples)")
+    temperature: float = arg(1.0, "sampling temperature; log-probs on both sides use logits / T")
     lr: float = arg(1e-4, "AdamW learning rate", group="optimisation")
     lr_schedule: str = arg("cosine", "constant, or cosine decay to 0 at --steps", choices=["constant", "cosine"])
     ppo_epochs: int = arg(1, "passes over each rollout batch")
     mini_batches: int = arg(1, "optimizer steps per pass (the batch is split into this many mini-batches)")
-    max_grad_norm: float = arg(1.0, "gradient clipping norm")
     micro_batch: int = arg(64, "rows per forward and backward (gradient accumulation): sets memory, not the math",
                            group="memory (not the math)")
     grad_checkpointing: bool = arg(False, "recompute activations in backward: less memory, about 1/3 more compute")
     eval_every: int = arg(100, "evaluate the fp actor (greedy) every N steps, and at the end", group="evaluation")
     eval_size: int = arg(500, "held-out problems per evaluation (0: all)")
-    eval_batch: int = arg(256, "rows per evaluation batch")
     eval_k: int = arg(0, "also log eval/pass@k from k samples per problem at T = 1 (0: off; costs ~k evaluations)")
-    log_every: int = arg(10, "print a progress line every N steps", group="logging, checkpoints, guards")
-    save_every: int = arg(50, "write a checkpoint every N steps (and on Ctrl-C or SIGTERM)")
-    max_bad_steps: int = arg(3, "stop after this many non-finite updates in a row")
-    track: str | None = arg(None, "also log the metrics to wandb or tensorboard (installed separately)",
-                            choices=["wandb", "tensorboard"])
-    seed: int = arg(1, "seeds python, torch, the data order and the sampler", group="device and seed")
-    device: str = arg("auto", "cpu, cuda or auto")
-    dtype: str = arg("auto", "compute dtype of the forwards: auto (bf16 on cuda, else fp32), float32 or bfloat16")
-    out_dir: str = arg("runs", "where runs/<run-name>/ is written", group="the run folder")
-    run_name: str | None = arg(None, "run folder name (default: <quant>-<loss>-s<seed>)")
+    seed: int = arg(1, "seeds python, torch, the data order and the sampler", group="the run")
+    dtype: str = arg("auto", "compute dtype of the forwards: auto (bf16 on CUDA, else fp32), float32 or bfloat16")
+    out_dir: str = arg("runs", "where runs/<run-name>/ is written")
+    run_name: str | None = arg(None, "run folder name (default: <quant>-<loss>-s<seed>, numbered if it exists)")
     resume: str | None = arg(None, "continue the run in this folder from its checkpoint")
     overwrite: bool = arg(False, "replace an existing run folder (only one qurl created)")
-    dry_run: bool = arg(False, "print the resolved config, model size, data and one prompt, then exit",
+    track: str | None = arg(None, "also log the metrics to wandb or tensorboard (installed separately)",
+                            choices=["wandb", "tensorboard"])
+    dry_run: bool = arg(False, "print the config, data, one prompt and the estimated peak memory, then exit",
                         group="tools instead of training")
     plot: list[str] | None = arg(None, "draw these run folders' metrics into --out and exit", nargs="+")
-    out: str = arg("assets/runs.png", "output file of --plot")
-    bench_rollout: bool = arg(False, "benchmark sample() against model.generate and exit", group="benchmarks")
-    bench_quant: bool = arg(False, "benchmark rollout tokens/s for none/int8/fp8/nf4 (EOS ignored) and exit")
-    bench_memory: bool = arg(False, "peak memory of a step's update against its rows (--bench-batch) and exit")
-    bench_train: bool = arg(False, "seconds and peak memory per RL step at the real sizes (random rewards) and exit")
+    bench: str | None = arg(None, "rollout: tokens/s of each rollout precision (and of model.generate); train: "
+                                  "seconds and peak memory per RL step, beside the estimate",
+                            choices=["rollout", "train"])
     model_config: str | None = arg(None, "bench a published architecture with random weights instead of --model",
                                    choices=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b",
-                                            "qwen2-h512-l8"], group="benchmark settings")
-    bench_batch: str = arg("128", "bench batch sizes, comma separated (rows = prompts x group)")
-    bench_len: int = arg(32, "bench response length")
-    bench_runs: int = arg(5, "bench repetitions (the median is reported)")
-    bench_out: str | None = arg(None, "also append each bench row as a JSON line to this file")
+                                            "qwen2-h512-l8"])
+    bench_batch: str = arg("128", "rows per --bench rollout batch, comma separated")
+    out: str | None = arg(None, "output: --plot's figure (default assets/runs.png), --bench's JSON lines")
 
 
 # ============================================ THE METHOD, 1: data format and reward (what the verifier checks) ========
 SYSTEM_PROMPT = "Solve the problem step by step. Put the final answer, a number only, after '####' on the last line."
-
 
 def format_prompt(question: str, tokenizer) -> str:
     """The chat template when the tokenizer has one (instruct models), else the plain format of the tiny model."""
@@ -161,47 +136,6 @@ def format_prompt(question: str, tokenizer) -> str:
         msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     return f"Q: {question}\nA: "
-
-
-_NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
-
-
-def _last_number(text: str) -> str | None:
-    nums = _NUM.findall(text)
-    return nums[-1] if nums else None
-
-
-def _boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...}, braces balanced."""
-    start = text.rfind("\\boxed")
-    i = text.find("{", start) if start >= 0 else -1
-    if i < 0:
-        return None
-    depth = 0
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1:j]
-    return None
-
-
-def _normalize(ans: str) -> str:
-    """'$1,234.50' -> '1234.5', '\\frac{3}{4}' -> '3/4', '-12 apples' -> '-12'; non-numeric text -> lowercased."""
-    text = ans.strip().replace("\\!", "").replace("$", "").replace("\\%", "").replace("%", "")
-    text = re.sub(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", text)
-    text = re.sub(r"\\text\{([^{}]*)\}", r"\1", text).replace("−", "-")
-    frac = re.fullmatch(r"\s*\(?(-?[\d,]*\.?\d+)\)?\s*/\s*\(?(\d+)\)?\s*", text)
-    num = (frac.group(1) + "/" + frac.group(2)) if frac else _last_number(text) if re.search(r"\d", text) else None
-    if num is None:
-        return re.sub(r"\s+", " ", text).strip().strip(".").lower()
-    num = num.replace(",", "").replace(" ", "")
-    value = _as_number(num)
-    if value is None:
-        return num
-    if value.denominator == 1:
-        return str(value.numerator)
-    return f"{value.numerator}/{value.denominator}" if "/" in num else repr(float(value)).rstrip("0").rstrip(".")
-
 
 def extract_answer(text: str) -> str | None:
     """The final answer: '#### 42', then '\\boxed{42}', then 'the answer is 42', else the last number."""
@@ -214,14 +148,6 @@ def extract_answer(text: str) -> str | None:
     said = re.search(r"answer is[:\s]*\$?\s*(-?[\d,]*\.?\d+(?:\s*/\s*\d+)?)", text, flags=re.IGNORECASE)
     last = said.group(1) if said else _last_number(text)
     return _normalize(last) if last is not None else None
-
-
-def _as_number(text: str) -> Fraction | None:
-    try:
-        return Fraction(text)
-    except (ValueError, ZeroDivisionError):
-        return None
-
 
 def reward(completion: str, gold: str) -> float:
     """1.0 when the completion's final answer equals the gold answer (numerically, 3.50 == 3.5), else 0.0."""
@@ -238,7 +164,6 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INT8_X_MAX = 2.0 ** 14  # bitsandbytes takes fp16 activations (max 65504): larger rows are scaled down first, exactly
 NF4_BLOCK = 64  # weights per absmax block (QLoRA's NF4 and QaRL's W4A16)
 
-
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row FP8 e4m3: x ~= x8 * scale[:, None], scale = amax|x_row| / 448 (QuRL Sec. 3, W8A8 FP8). The same
     quantizer serves weights (a row = an output channel) and activations (a row = a token)."""
@@ -247,7 +172,6 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x8 = (xf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # clamp: the cast may not saturate
     return x8, scale
 
-
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """LLM.int8 vector-wise INT8 (bitsandbytes, threshold 0): x ~= x8 * absmax[:, None] / 127. Returns (x8, absmax):
     bnb keeps the row absmax, not the step, because int8_mm_dequant multiplies by absmax_x*absmax_w/127^2."""
@@ -255,20 +179,17 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x8, absmax, _ = bnbF.int8_vectorwise_quant(x.detach().to(torch.float16).contiguous(), threshold=0.0)
     return x8, absmax
 
-
 def int8_shift(x2: torch.Tensor) -> torch.Tensor:
     """(M, 1) powers of 2 that bring each row's absmax under INT8_X_MAX: bitsandbytes takes fp16 (max 65504), and
     real checkpoints carry activations of 1e4-1e5. Dividing by a power of 2 and multiplying back is exact."""
     amax = x2.detach().float().abs().amax(dim=-1, keepdim=True)
     return torch.exp2(torch.ceil(torch.log2((amax / INT8_X_MAX).clamp(min=1.0))))
 
-
 def quantize_nf4(weight: torch.Tensor):
     """Weight-only NF4 (bitsandbytes, QLoRA's 4-bit NormalFloat): blocks of 64 weights scaled by their absmax, each
     weight the nearest of 16 normal-quantile levels. Returns (packed codes, two per byte, and bnb's QuantState)."""
     import bitsandbytes.functional as bnbF
     return bnbF.quantize_4bit(weight.detach().float().contiguous(), blocksize=NF4_BLOCK, quant_type="nf4")
-
 
 def quantize(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, object]:
     """Weights in the sampler's format: (codes, fp32 scales: per row for fp8/int8, per block for nf4, nf4 state)."""
@@ -278,7 +199,6 @@ def quantize(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor
     q, scale = quantize_fp8(weight) if fmt == "fp8" else quantize_int8(weight)
     return q, scale.float(), None
 
-
 def dequantize(q: torch.Tensor, scale: torch.Tensor, state, fmt: str) -> torch.Tensor:
     """fp32 values of `quantize`'s codes: code * scale (int8: * absmax / 127), or bitsandbytes' NF4 dequantize."""
     if fmt == "nf4":
@@ -286,13 +206,12 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, state, fmt: str) -> torch.T
         return bnbF.dequantize_4bit(q, state)
     return q.float() * (scale[:, None] if fmt == "fp8" else scale[:, None] / 127.0)
 
-
 def w8a8_matmul(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, fmt: str, kernel: str,
                 w_deq: torch.Tensor | None = None) -> torch.Tensor:
     """y = Q(x2) @ Q(W)^T for (M, K) activations, quantized per token here, and (N, K) weight codes with per-row
     scales: the sampler's kernel. Returns fp32 (rounded to fp16 for INT8 and to bf16 for CUDA FP8, as those kernels
-    return it). w_deq: the weights dequantized once (CPU FP8 emulation). kernel 'scaled_mm' raises torch's error where
-    torch refuses the call; 'emulate' is the same math anywhere."""
+    return it). FP8 kernels: 'scaled_mm' (torch._scaled_mm; raises torch's error where torch refuses the call) or
+    'emulate', the same math anywhere; w_deq: the weights dequantized once (CPU emulation, faster there)."""
     dev_type = x2.device.type   # the kernel fixes its own numerics: no autocast inside
     with torch.autocast(dev_type, enabled=False) if torch.is_autocast_enabled(dev_type) else contextlib.nullcontext():
         if fmt == "int8":
@@ -309,12 +228,10 @@ def w8a8_matmul(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, fmt:
         if kernel == "scaled_mm":
             return torch._scaled_mm(x8, w_q.t(), scale_a=s_x, scale_b=w_scale[None, :], out_dtype=torch.bfloat16
                                     if x2.is_cuda else torch.float32).float()
-        if w_deq is not None:           # CPU: weights dequantized once per sync, scales applied before the sum
+        if w_deq is not None:           # scales applied before the sum
             return F.linear(x8.float() * s_x, w_deq)
-        if x2.is_cuda:                  # no FP8 tensor cores (A100): bf16 holds every e4m3 code exactly
-            return (x8.to(torch.bfloat16) @ w_q.to(torch.bfloat16).t()).float() * s_x * w_scale
-        return (x8.float() @ w_q.float().t()) * s_x * w_scale
-
+        dt = torch.bfloat16 if x2.is_cuda else torch.float32   # bf16 holds every e4m3 code exactly
+        return (x8.to(dt) @ w_q.to(dt).t()).float() * s_x * w_scale
 
 class QuantLinear(nn.Module):
     """Drop-in for nn.Linear in the rollout actor, bias kept in full precision. fmt 'fp8' (e4m3) and 'int8'
@@ -392,29 +309,19 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, fmt={self.fmt}, kernel={self.kernel}"
 
-
 def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The linears QuRL quantizes: those inside decoder layers. Embeddings, norms and lm_head stay full precision."""
     return [(name, mod) for name, mod in model.named_modules()
             if isinstance(mod, (nn.Linear, QuantLinear)) and ".layers." in f".{name}"]
 
-
-def quantize_actor(model: nn.Module, fmt: str, fp8_kernel: str = "auto") -> nn.Module:
+def quantize_actor(model: nn.Module, fmt: str) -> nn.Module:
     """A frozen copy of the model whose decoder-layer linears are QuantLinear (W8A8: 1 byte per weight, W4A16: 1/2)."""
     if fmt in ("int8", "nf4"):
         _require_bnb(fmt)
     # deepcopy's memo puts each decoder linear's QuantLinear in its place: their full-precision weights are never
     # copied, so building the actor never holds two full copies of the model (a 7B model has 28 GB of fp32 masters)
-    memo = {id(lin): QuantLinear(lin, fmt, fp8_kernel) for _, lin in decoder_linears(model)}
+    memo = {id(lin): QuantLinear(lin, fmt) for _, lin in decoder_linears(model)}
     return copy.deepcopy(model, memo).eval().requires_grad_(False)
-
-
-def quant_bytes(q_model: nn.Module) -> tuple[int, int]:
-    """(bytes of weight codes + their scales (row scales, or NF4's block absmax), weights they replace)."""
-    qls = [mod for mod in q_model.modules() if isinstance(mod, QuantLinear)]
-    codes = sum(q.weight_q.numel() * q.weight_q.element_size() + q.weight_scale.numel() * 4 for q in qls)
-    return codes, sum(q.in_features * q.out_features for q in qls)
-
 
 @torch.no_grad()
 def sync_weights(q_model: nn.Module, model: nn.Module) -> float:
@@ -433,9 +340,7 @@ def sync_weights(q_model: nn.Module, model: nn.Module) -> float:
         param.copy_(fp_params[name])
     return changed / max(total, 1)
 
-
 _NORMS = ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm")
-
 
 @torch.no_grad()
 def invariant_scale(model: nn.Module, s: float) -> None:
@@ -459,7 +364,6 @@ def invariant_scale(model: nn.Module, s: float) -> None:
         for proj in projs:
             getattr(block, proj).weight.div_(s)  # W / s (bias unchanged: (W/s)(s x) + b = W x + b)
 
-
 def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """Quantize-dequantize in the sampler's format (per row for fp8/int8, NF4 blocks of 64 for nf4 weights),
     straight-through gradient: the value is quantized, the gradient is the identity."""
@@ -468,24 +372,22 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
     deq = dequantize(*quantize(rows / shift, fmt), fmt) * shift
     return x + (deq.reshape(x.shape).to(x.dtype) - x).detach()
 
-
-def aligned_linear(lin: nn.Linear, fmt: str, x: torch.Tensor, fp8_kernel: str = "auto") -> torch.Tensor:
+def aligned_linear(lin: nn.Linear, fmt: str, x: torch.Tensor) -> torch.Tensor:
     """QaRL's rollout-aligned linear: the value is the sampler's own layer (QuantLinear) on the codes of the current
     weights, so pi_prox equals pi_behav in any dtype; the gradient is the straight-through fake-quant path's."""
     with torch.no_grad():
-        value = QuantLinear(lin, fmt, fp8_kernel)(x)
+        value = QuantLinear(lin, fmt)(x)
     x_q = x if fmt == "nf4" else fake_quant(x, fmt)              # W4A16 leaves activations alone
     ste = F.linear(x_q, fake_quant(lin.weight, fmt), lin.bias)   # carries the gradient only
     return value + (ste - ste.detach())                          # exactly the value, the gradient of ste
 
-
 @contextlib.contextmanager
-def rollout_aligned(model: nn.Module | None, fmt: str | None, fp8_kernel: str = "auto"):
+def rollout_aligned(model: nn.Module | None, fmt: str | None):
     """Within this block the model's decoder linears compute in the sampler's numerics (`aligned_linear`), with
     straight-through gradients to the full-precision weights. fmt or model None: a no-op."""
     lins = [mod for _, mod in decoder_linears(model)] if fmt and model is not None else []
     for lin in lins:
-        lin.forward = lambda x, lin=lin: aligned_linear(lin, fmt, x, fp8_kernel)
+        lin.forward = lambda x, lin=lin: aligned_linear(lin, fmt, x)
     try:
         yield model
     finally:
@@ -504,56 +406,48 @@ class Rollout:
     texts: list[str]              # decoded responses (up to the first EOS)
     truncated: torch.Tensor       # (B,) True where no EOS came within max_new_tokens
 
-
-def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next token and its log-prob under the distribution it is drawn from (softmax(logits / T), optional top-p)."""
+def _pick(logits: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token and its log-prob under the distribution it is drawn from, softmax(logits / T): no top-k or top-p,
+    which the training side would have to reproduce for the importance ratio to stay unbiased."""
     if temperature == 0:  # greedy; its log-prob is reported at T = 1 (a point mass has none worth training on)
         logp = torch.log_softmax(logits.float(), dim=-1)
         tok = logp.argmax(dim=-1)
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-    if top_p == 1.0:  # one softmax pass over the vocabulary; log of the drawn token's probability
-        probs = torch.softmax(logits.float() / temperature, dim=-1)
-        tok = torch.multinomial(probs, 1, generator=generator)
-        return tok.squeeze(-1), probs.gather(-1, tok).log().squeeze(-1)
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    sorted_lp, idx = logp.sort(dim=-1, descending=True)
-    drop = sorted_lp.exp().cumsum(-1) - sorted_lp.exp() >= top_p   # keep the smallest set with mass >= top_p
-    logp = torch.full_like(logp, -math.inf).scatter(-1, idx, sorted_lp.masked_fill(drop, -math.inf))
-    logp = torch.log_softmax(logp, dim=-1)
-    tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # one pass over the vocabulary
+    tok = torch.multinomial(probs, 1, generator=generator)
+    return tok.squeeze(-1), probs.gather(-1, tok).log().squeeze(-1)
 
-
-@torch.no_grad()
-def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
-           top_p: float = 1.0, generator: torch.Generator | None = None, ignore_eos: bool = False,
-           drop_frac: float = 0.25) -> Rollout:
-    """n samples of each prompt, one token per step for the whole batch with a KV cache. Each distinct prompt is
-    prefilled once and its cache expanded to its n samples. Finished rows leave the batch (cache included) once at
-    least `drop_frac` of the live rows are done. Positions come from the cumulative attention mask, so left padding
-    does not shift RoPE."""
+def _prefill(model, tokenizer, ids: torch.Tensor, am: torch.Tensor, max_new_tokens: int):
+    """The prompts' forward into a new KV cache: (last-position logits, the cache, the keyword passing it, stop ids)."""
     from transformers import DynamicCache
-    device = next(model.parameters()).device
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False, padding_side="left")
-    ids, am = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    P, B = ids.shape[1], len(prompts) * n
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and int(am.sum(-1).max()) + max_new_tokens > limit:
         raise ValueError(f"prompt of {int(am.sum(-1).max())} tokens + {max_new_tokens} new tokens exceeds the model's "
                          f"context of {limit}")
-    stops = torch.tensor(stop_token_ids(model, tokenizer), device=device)
-    pad = tokenizer.pad_token_id
     cache = DynamicCache(config=model.config)
     # transformers >= 5.24 names the keyword `cache`, earlier releases `past_key_values`; each ignores the other's
-    # silently (every decode step would then attend to its own token only), so ask the signature and check below
+    # silently (every decode step would then attend to its own token only), so ask the signature, then check
     kv = {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
-    pos = (am.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True, logits_to_keep=1,
-                   **kv).logits[:, -1]
-    if cache.get_seq_length() != P:
+    logits = model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+                   logits_to_keep=1, **kv).logits[:, -1]
+    if cache.get_seq_length() != ids.shape[1]:
         import transformers
         raise RuntimeError(f"sample: the model did not fill the KV cache (transformers {transformers.__version__}); "
                            f"tested with transformers 4.57 to 5.25")
+    return logits, cache, kv, torch.tensor(stop_token_ids(model, tokenizer), device=ids.device)
+
+@torch.no_grad()
+def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
+           generator: torch.Generator | None = None, ignore_eos: bool = False, drop_frac: float = 0.25) -> Rollout:
+    """n samples of each prompt, one token per step for the whole batch with a KV cache. Each distinct prompt is
+    prefilled once and its cache expanded to its n samples. Finished rows leave the batch (cache included) once at
+    least `drop_frac` of the live rows are done. Positions come from the cumulative attention mask, so left padding
+    does not shift RoPE."""
+    device = next(model.parameters()).device
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False, padding_side="left")
+    ids, am = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    P, B, pad = ids.shape[1], len(prompts) * n, tokenizer.pad_token_id
+    logits, cache, kv, stops = _prefill(model, tokenizer, ids, am, max_new_tokens)
     cache.batch_repeat_interleave(n)  # rows [i*n, (i+1)*n) are prompt i's samples
     logits, am = logits.repeat_interleave(n, 0), am.repeat_interleave(n, 0)
     next_pos = am.sum(-1)                                              # position of the next token
@@ -564,7 +458,7 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
     done = torch.zeros(B, dtype=torch.bool, device=device)
     R, sync_every = 0, 1 if device.type == "cpu" else 8
     for t in range(max_new_tokens):
-        tok, lp = _pick(logits, temperature, top_p, generator)
+        tok, lp = _pick(logits, temperature, generator)
         tok = torch.where(done, pad, tok)
         tokens[live, t], logp_out[live, t] = tok, lp
         R = t + 1
@@ -588,13 +482,13 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
         next_pos = next_pos + 1
     response_mask = (torch.arange(R, device=device)[None, :] <= end[:, None]).float()
     tokens = tokens[:, :R].masked_fill(response_mask == 0, pad)
-    full_am = torch.cat([enc["attention_mask"].to(device).repeat_interleave(n, 0), torch.ones_like(tokens)], dim=1)
     texts = tokenizer.batch_decode([row[m.bool()].tolist() for row, m in zip(tokens, response_mask)],
                                    skip_special_tokens=True)
-    return Rollout(input_ids=torch.cat([ids.repeat_interleave(n, 0), tokens], dim=1), attention_mask=full_am,
+    return Rollout(input_ids=torch.cat([ids.repeat_interleave(n, 0), tokens], dim=1),
+                   attention_mask=torch.cat([enc["attention_mask"].to(device).repeat_interleave(n, 0),
+                                             torch.ones_like(tokens)], dim=1),
                    response_mask=response_mask, logp_behav=logp_out[:, :R] * response_mask, prompt_len=P,
                    texts=texts, truncated=end >= max_new_tokens)
-
 
 def stop_token_ids(model, tokenizer) -> list[int]:
     """EOS ids: the tokenizer's plus the generation config's (Qwen instruct stops on <|im_end|> too)."""
@@ -626,18 +520,15 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 # ============================================ THE METHOD, 5: advantages and losses ====================================
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps a runaway log-ratio finite before exp
 
-
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of x over the positions where mask is 1 (all of them, or along dim); 0 where the mask is empty."""
     total = (x * mask).sum() if dim is None else (x * mask).sum(dim)
     return total / (mask.sum() if dim is None else mask.sum(dim)).clamp(min=1.0)
 
-
 def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(p || q) from samples of p, with log_ratio = log q/p: e^r - 1 - r >= 0."""
     x = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return x.exp() - 1 - x
-
 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tensor, int]:
     """GRPO: A_i = (R_i - mean_group R) / (std_group R + 1e-6), std unbiased (as TRL). Also counts the groups
@@ -647,45 +538,15 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> tuple[torch.Tens
     adv = (grouped - grouped.mean(dim=1, keepdim=True)) / (std + 1e-6)
     return adv.view(-1), int((std.squeeze(1) == 0).sum())
 
-
-def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.Tensor, adv: torch.Tensor,
-                mask: torch.Tensor, loss: str = "acr", eps_low: float = 0.2, eps_high: float = 0.28,
-                is_cap: float = 2.0, tbpo_eps: tuple[float, float, float] = (3e-4, 4e-4, 7e-4),
-                tbpo_max_mismatch: float | None = None, denom: float | None = None) -> tuple[torch.Tensor, dict]:
-    """The policy objective over (B, T) token log-probs of the three policies, adv (B,) and mask (B, T).
-
-    naive: PPO clip of pi_theta/pi_behav.   tis: decoupled PPO with w = min(pi_prox/pi_behav, C).
-    acr:   tis with QuRL's adaptive upper bound.   tbpo: QaRL's sequence-level trust band.
-    Gradient flows only into logp: the old policies and the advantages are detached here. Token losses are a token
-    mean (DAPO), tbpo a mean over the sequences kept in their band; `denom` replaces that denominator (gradient
-    accumulation passes the whole mini-batch's). Metrics are fractions of this batch's tokens or sequences.
-    """
+def token_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.Tensor, adv: torch.Tensor,
+               mask: torch.Tensor, loss: str = "acr", eps_low: float = 0.2, eps_high: float = 0.28,
+               is_cap: float = 2.0, denom: float | None = None) -> tuple[torch.Tensor, dict]:
+    """The token-level PPO objectives over (B, T) log-probs, adv (B,) and mask (B, T), each a step from the last:
+    naive clips pi_theta/pi_behav; tis clips R = pi_theta/pi_prox and weights by w = min(pi_prox/pi_behav, C);
+    acr also widens the upper bound where w was truncated. A token mean over the mask (DAPO), or over `denom`."""
     logp_prox, logp_behav, adv = logp_prox.detach(), logp_behav.detach(), adv.detach().to(logp.dtype)
     mask = mask.to(logp.dtype)
     log_w = (logp_prox - logp_behav).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)   # log pi_prox / pi_behav
-    m = {"loss/entropy": float(masked_mean(-logp.detach(), mask))}  # sampled-token estimate of the entropy
-    if loss == "tbpo":
-        lo, hi_pos, hi_neg = tbpo_eps
-        live = mask.sum(1) > 0
-        log_ratio = masked_mean(logp - logp_prox, mask, dim=1)  # QaRL TBPO: s_i = exp(mean_t log pi_theta/pi_prox)
-        ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # s_i, a geometric mean (GSPO; TRL #5814)
-        log_w_seq = masked_mean(log_w, mask, dim=1)                  # w_i = exp(mean_t log pi_prox/pi_behav)
-        w_hat = log_w_seq.exp().clamp(max=is_cap)                    # w_hat_i = min(w_i, C), no grad
-        pos = torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi_pos) * adv)  # A >= 0: PPO clip [1-eps, 1+eps_hi+]
-        neg = ratio.clamp(1 - lo, 1 + hi_neg) * adv                             # A < 0: the band [1-eps, 1+eps_hi-]
-        rd = ratio.detach()
-        below = (adv < 0) & (rd < 1 - lo)
-        above = torch.where(adv >= 0, rd > 1 + hi_pos, rd > 1 + hi_neg)
-        keep = live & ~below & ~above                                # out of band: out of the loss and its denominator
-        if tbpo_max_mismatch is not None:                            # optional: drop w_i outside [1/M, M]
-            keep &= log_w_seq.abs() <= math.log(tbpo_max_mismatch)
-        kept = keep.to(logp.dtype)
-        n_live = live.sum().clamp(min=1)
-        out = -(kept * w_hat * torch.where(adv >= 0, pos, neg)).sum() / (denom or kept.sum().clamp(min=1.0))
-        m.update({"loss/policy": float(out.detach()), "tbpo/kept": float(kept.sum() / n_live),
-                  "tbpo/n_kept": float(kept.sum()), "clip/low": float((below & live).sum() / n_live),
-                  "clip/high": float((above & live).sum() / n_live)})
-        return out, m
     if loss == "naive":
         ratio = (logp - logp_behav).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # pi_theta / pi_behav
         w, upper = torch.ones_like(ratio), torch.full_like(ratio, 1 + eps_high)
@@ -701,17 +562,56 @@ def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.T
     pg = -w * torch.minimum(ratio * adv, clipped * adv)  # PPO: -min(R A, clip(R, 1-eps_low, upper) A)
     out = (pg * mask).sum() / (denom or mask.sum().clamp(min=1.0))
     rd = ratio.detach()
-    m.update({"loss/policy": float(out.detach()),   # clip fractions: tokens whose gradient the clip zeroes
-              "clip/low": float(masked_mean(((rd < 1 - eps_low) & (adv < 0)).to(mask.dtype), mask)),
-              "clip/high": float(masked_mean(((rd > upper) & (adv > 0)).to(mask.dtype), mask)),
-              "clip/acr_upper": float(masked_mean(upper, mask))})
-    return out, m
+    return out, {"loss/policy": float(out.detach()),   # clip fractions: tokens whose gradient the clip zeroes
+                 "clip/low": float(masked_mean(((rd < 1 - eps_low) & (adv < 0)).to(mask.dtype), mask)),
+                 "clip/high": float(masked_mean(((rd > upper) & (adv > 0)).to(mask.dtype), mask)),
+                 "clip/acr_upper": float(masked_mean(upper, mask))}
 
+def tbpo_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.Tensor, adv: torch.Tensor,
+              mask: torch.Tensor, is_cap: float = 2.0, band: tuple[float, float, float] = (3e-4, 4e-4, 7e-4),
+              max_mismatch: float | None = None, denom: float | None = None) -> tuple[torch.Tensor, dict]:
+    """QaRL's Trust-Band Policy Optimization over (B, T) log-probs, adv (B,) and mask (B, T), at the sequence level.
+    s_i = exp(mean_t log pi_theta/pi_prox), w_i = min(exp(mean_t log pi_prox/pi_behav), C); A >= 0 is PPO-clipped
+    to [1 - LO, 1 + HI+], A < 0 held in the band [1 - LO, 1 + HI-]. Sequences out of their band (or with w_i outside
+    [1/M, M], M = max_mismatch) leave the loss and its denominator: a mean over the kept sequences, or over `denom`."""
+    logp_prox, logp_behav, adv = logp_prox.detach(), logp_behav.detach(), adv.detach().to(logp.dtype)
+    mask = mask.to(logp.dtype)
+    lo, hi_pos, hi_neg = band
+    live = mask.sum(1) > 0
+    log_ratio = masked_mean(logp - logp_prox, mask, dim=1)  # QaRL TBPO: s_i = exp(mean_t log pi_theta/pi_prox)
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # s_i, a geometric mean (GSPO; TRL #5814)
+    log_w = masked_mean((logp_prox - logp_behav).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), mask, dim=1)
+    w_hat = log_w.exp().clamp(max=is_cap)                        # w_hat_i = min(w_i, C), no grad
+    pos = torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi_pos) * adv)  # A >= 0: PPO clip [1-LO, 1+HI+]
+    neg = ratio.clamp(1 - lo, 1 + hi_neg) * adv                             # A < 0: the band [1-LO, 1+HI-]
+    rd = ratio.detach()
+    below = (adv < 0) & (rd < 1 - lo)
+    above = torch.where(adv >= 0, rd > 1 + hi_pos, rd > 1 + hi_neg)
+    keep = live & ~below & ~above                                # out of band: out of the loss and its denominator
+    if max_mismatch is not None:                                 # optional: drop w_i outside [1/M, M]
+        keep &= log_w.abs() <= math.log(max_mismatch)
+    kept = keep.to(logp.dtype)
+    n_live = live.sum().clamp(min=1)
+    out = -(kept * w_hat * torch.where(adv >= 0, pos, neg)).sum() / (denom or kept.sum().clamp(min=1.0))
+    return out, {"loss/policy": float(out.detach()), "tbpo/kept": float(kept.sum() / n_live),
+                 "tbpo/n_kept": float(kept.sum()), "clip/low": float((below & live).sum() / n_live),
+                 "clip/high": float((above & live).sum() / n_live)}
+
+def policy_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.Tensor, adv: torch.Tensor,
+                mask: torch.Tensor, loss: str = "acr", eps_low: float = 0.2, eps_high: float = 0.28,
+                is_cap: float = 2.0, tbpo_eps: tuple[float, float, float] = (3e-4, 4e-4, 7e-4),
+                tbpo_max_mismatch: float | None = None, denom: float | None = None) -> tuple[torch.Tensor, dict]:
+    """The one entry point: `tbpo_loss` for loss="tbpo", else `token_loss`; adds the sampled-token entropy. Gradient
+    flows only into logp. Metrics are fractions of this batch's tokens (sequences for tbpo)."""
+    if loss == "tbpo":
+        out, m = tbpo_loss(logp, logp_prox, logp_behav, adv, mask, is_cap, tbpo_eps, tbpo_max_mismatch, denom)
+    else:
+        out, m = token_loss(logp, logp_prox, logp_behav, adv, mask, loss, eps_low, eps_high, is_cap, denom)
+    return out, {"loss/entropy": float(masked_mean(-logp.detach(), mask.to(logp.dtype))), **m}
 
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor, denom: float | None = None):
     """k3 estimate of KL(pi_theta || pi_ref), token mean (Schulman's k3, as GRPO); `denom` replaces the token count."""
     return (k3(logp_ref.detach() - logp) * mask).sum() / (denom or mask.sum().clamp(min=1.0))
-
 
 def mismatch_metrics(logp_prox: torch.Tensor, logp_behav: torch.Tensor, mask: torch.Tensor) -> dict:
     """How far the sampler is from the fp actor on the sampled tokens: k3 KL(pi_behav || pi_prox) per token, mean
@@ -723,14 +623,12 @@ def mismatch_metrics(logp_prox: torch.Tensor, logp_behav: torch.Tensor, mask: to
 
 
 # ============================================ THE METHOD, 6: one RL step ==============================================
-# Every metric a step logs, in metrics.jsonl and --track (the README's glossary says what each means).
 METRIC_KEYS = ["step", "reward/mean", "reward/zero_std_groups", "rollout/len_mean", "rollout/truncated",
                "rollout/entropy", "mismatch/kl", "mismatch/logp_absdiff", "mismatch/ratio_max", "clip/low",
                "clip/high", "clip/acr_upper", "loss/policy", "loss/entropy", "loss/kl", "tbpo/kept",
                "quant/flip_rate", "guard/skipped", "opt/lr", "perf/rollout_tok_s", "perf/step_s", "perf/rollout_frac",
                "eval/acc", "eval/pass@k"]
 UPDATE_KEYS = [k for k in METRIC_KEYS if k.split("/")[0] in ("clip", "loss", "tbpo")]  # what `update` measures
-
 
 @dataclass
 class Learner:
@@ -743,38 +641,22 @@ class Learner:
     dtype: torch.dtype           # compute dtype of every forward (torch.autocast; fp32 disables it)
     ref_model: nn.Module | None = None   # the KL reference (the actor at the start), with --kl-coef > 0
 
-
 def autocast(device: torch.device, dtype: torch.dtype):
     """Mixed precision the standard way: forwards compute in `dtype` on fp32 master weights; a no-op in fp32."""
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
-
-def make_rollout_actor(model: nn.Module, quant: str, dtype: torch.dtype, fp8_kernel: str = "auto") -> nn.Module:
+def make_rollout_actor(model: nn.Module, quant: str, dtype: torch.dtype) -> nn.Module:
     """The sampler's own copy of the actor, refreshed by `sync_weights` at every step: quantized decoder linears with
     the rest a copy of the masters (run under the learner's autocast, so that the aligned forward reproduces it bit
     for bit), or with --quant none a copy in the compute dtype, as a bf16 inference engine holds it. In fp32 with
     --quant none it is the model itself: the two would be identical."""
     if quant != "none":
-        return quantize_actor(model, quant, fp8_kernel)
+        return quantize_actor(model, quant)
     if dtype == torch.float32:
         return model
     # parameters only (buffers such as RoPE's inv_freq stay fp32, as engines keep them), cast one at a time
     memo = {id(param): nn.Parameter(param.detach().to(dtype), requires_grad=False) for param in model.parameters()}
     return copy.deepcopy(model, memo).eval()
-
-
-def prepare_actor(model: nn.Module, grad_checkpointing: bool = False) -> None:
-    """The learner's forwards run in train mode (gradient checkpointing needs it). With dropout pi_prox and pi_theta
-    would be noisy estimates of the same policy, so every dropout probability is set to 0."""
-    for mod in model.modules():
-        if isinstance(mod, nn.Dropout):
-            mod.p = 0.0
-        for name in ("attention_dropout", "dropout"):   # transformers' attention modules keep a float
-            if isinstance(getattr(mod, name, None), float):
-                setattr(mod, name, 0.0)
-    if grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
 
 def train_step(rl: Learner, args: Args, problems: list[dict], step: int, reward_fn=None,
                ignore_eos: bool = False) -> tuple[dict, float]:
@@ -787,7 +669,7 @@ def train_step(rl: Learner, args: Args, problems: list[dict], step: int, reward_
     rl.model.eval()
     with autocast(rl.gen.device, rl.dtype):                                  # 2. rollout with the rollout actor
         ro = sample(rl.actor, rl.tok, prompts, n=G, max_new_tokens=args.max_new_tokens,
-                    temperature=args.temperature, top_p=args.top_p, generator=rl.gen, ignore_eos=ignore_eos)
+                    temperature=args.temperature, generator=rl.gen, ignore_eos=ignore_eos)
     rl.model.train()
     t_roll = time.time() - t0
     golds = [p["gold"] for p in problems for _ in range(G)]
@@ -796,19 +678,17 @@ def train_step(rl: Learner, args: Args, problems: list[dict], step: int, reward_
     n_tok = float(ro.response_mask.sum())
     m.update({"reward/mean": float(rewards.mean()), "reward/zero_std_groups": zero_groups,
               "rollout/len_mean": n_tok / len(ro.texts), "rollout/truncated": float(ro.truncated.float().mean())})
-    trained = (rewards.view(-1, G).std(1).repeat_interleave(G) > 0 if args.skip_zero_adv
-               else torch.ones(len(rewards), dtype=torch.bool))
+    trained = rewards.view(-1, G).std(1).repeat_interleave(G) > 0  # all-equal groups: no gradient, left out
     dev = ro.input_ids.device
     rows, rest = trained.nonzero().squeeze(1).to(dev), (~trained).nonzero().squeeze(1).to(dev)
     one_update = args.ppo_epochs * args.mini_batches == 1
     align = args.quant if args.align_forward else None
-    with autocast(dev, rl.dtype), rollout_aligned(rl.model, align, args.fp8_kernel), \
-            rollout_aligned(rl.ref_model, align, args.fp8_kernel):
+    batch = lambda r: (ro.input_ids[r], ro.attention_mask[r], ro.response_mask[r])  # noqa: E731
+    with autocast(dev, rl.dtype), rollout_aligned(rl.model, align), rollout_aligned(rl.ref_model, align):
         # 4. logp_prox: the fp actor before this step's update, no grad, on every row (mismatch/* measures the
         #    sampler). With one update per rollout a trained row's training forward is that very value: reused.
         lp_prox = torch.zeros_like(ro.logp_behav)
         need = rest if one_update else torch.arange(len(rewards), device=dev)
-        batch = lambda r: (ro.input_ids[r], ro.attention_mask[r], ro.response_mask[r])  # noqa: E731
         with torch.no_grad():
             if len(need):
                 lp_prox[need] = token_logprobs(rl.model, *batch(need), args.temperature, args.micro_batch)
@@ -827,49 +707,21 @@ def train_step(rl: Learner, args: Args, problems: list[dict], step: int, reward_
               "perf/rollout_frac": t_roll / max(dt, 1e-9)})
     return m, t_roll
 
+MAX_GRAD_NORM = 1.0  # gradient clipping
 
 def update(rl: Learner, args: Args, ids, am, mask, logp_behav, adv, logp_prox=None, logp_ref=None):
-    """--ppo-epochs passes over the rows, --mini-batches optimizer steps per pass, each accumulating gradients over
-    micro-batches of --micro-batch rows whose losses are divided by the whole mini-batch's denominator: memory is
-    set by --micro-batch, the gradient is the single-pass one. logp_prox None: one update per rollout, pi_prox is
-    pi_theta's own value. Returns (metrics averaged over the optimizer steps, the logp_prox seen or None)."""
-    kw = dict(loss=args.loss, eps_low=args.eps_low, eps_high=args.eps_high, is_cap=args.is_cap,
-              tbpo_eps=(args.tbpo_eps_low, args.tbpo_eps_high, args.tbpo_eps_high_neg),
-              tbpo_max_mismatch=args.tbpo_max_mismatch)
-    T, logs, prox_seen, skipped = args.temperature, [], [], 0
+    """--ppo-epochs passes over the rows, --mini-batches optimizer steps per pass. logp_prox None: one update per
+    rollout, where pi_prox is pi_theta's own value (detached). Returns (metrics averaged over the optimizer steps,
+    and with logp_prox None the pi_prox values it used, for the mismatch metrics)."""
+    logs, prox_seen, skipped = [], [], 0
     params = [param for param in rl.model.parameters() if param.requires_grad]
     for _ in range(args.ppo_epochs if len(ids) else 0):
         for mb in _batches(len(ids), args.mini_batches):
-            micro = [slice(i, min(i + args.micro_batch, mb.stop)) for i in range(mb.start, mb.stop, args.micro_batch)]
-            n_tok = float(mask[mb].sum())
-            denom = n_tok
-            if args.loss == "tbpo":  # the kept count is known after the pass: sum now, divide the gradient then;
-                denom = 1.0          # a KL term (a token mean of its own) needs it first: a no-grad pass counts it
-                if logp_ref is not None:
-                    denom = _tbpo_kept(rl, args, ids, am, mask, logp_behav, adv, logp_prox, micro, kw)
             rl.opt.zero_grad(set_to_none=True)
-            parts, finite = [], True
-            for sl in micro:
-                logp = token_logprobs(rl.model, ids[sl], am[sl], mask[sl], T, args.micro_batch)
-                prox = logp.detach() if logp_prox is None else logp_prox[sl]
-                loss, lm = policy_loss(logp, prox, logp_behav[sl], adv[sl], mask[sl], denom=denom, **kw)
-                if logp_ref is not None:
-                    kl = kl_penalty(logp, logp_ref[sl], mask[sl], denom=n_tok)
-                    loss = loss + args.kl_coef * kl
-                    lm["loss/kl"] = float(kl.detach())
-                loss.backward()
-                finite &= bool(torch.isfinite(loss.detach()))
-                if logp_prox is None:
-                    prox_seen.append(prox)
-                parts.append((lm, float(mask[sl].sum()), float((mask[sl].sum(1) > 0).sum())))
-            lm = _combine_micro(parts)
-            if args.loss == "tbpo" and logp_ref is None:
-                kept = max(lm["tbpo/n_kept"], 1.0)
-                lm["loss/policy"] /= kept
-                for param in params:
-                    if param.grad is not None:
-                        param.grad.div_(kept)
-            gnorm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            lm, finite = backward_mini_batch(rl, args, ids[mb], am[mb], mask[mb], logp_behav[mb], adv[mb],
+                                             None if logp_prox is None else logp_prox[mb],
+                                             None if logp_ref is None else logp_ref[mb], prox_seen)
+            gnorm = torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
             if finite and torch.isfinite(gnorm):  # numeric guard: never step on NaN/inf
                 rl.opt.step()
                 torch.clear_autocast_cache()  # autocast keeps the bf16 copy of each weight until its block exits
@@ -882,16 +734,196 @@ def update(rl: Learner, args: Args, ids, am, mask, logp_behav, adv, logp_prox=No
     out["guard/skipped"] = skipped
     return out, (torch.cat(prox_seen) if prox_seen else None)
 
-
-@torch.no_grad()
-def _tbpo_kept(rl: Learner, args: Args, ids, am, mask, logp_behav, adv, logp_prox, micro, kw) -> float:
-    kept = 0.0
+def backward_mini_batch(rl: Learner, args: Args, ids, am, mask, logp_behav, adv, logp_prox, logp_ref,
+                        prox_seen: list) -> tuple[dict, bool]:
+    """The gradient of one mini-batch's loss, accumulated over micro-batches of --micro-batch rows, each loss divided
+    by the whole mini-batch's denominator: memory is set by --micro-batch, the gradient is the single-pass one.
+    Returns (the mini-batch's metrics, whether every loss was finite)."""
+    kw = dict(loss=args.loss, eps_low=args.eps_low, eps_high=args.eps_high, is_cap=args.is_cap,
+              tbpo_eps=tuple(args.tbpo_band))
+    micro = [slice(i, i + args.micro_batch) for i in range(0, len(ids), args.micro_batch)]
+    n_tok = float(mask.sum())
+    denom = n_tok
+    if args.loss == "tbpo":  # the kept count is known after the pass: sum now, divide the gradient then; a KL
+        denom = 1.0          # term (a token mean of its own) needs it first: a no-grad pass counts it
+        if logp_ref is not None:
+            with torch.no_grad():
+                denom = 0.0
+                for sl in micro:
+                    lp = token_logprobs(rl.model, ids[sl], am[sl], mask[sl], args.temperature, args.micro_batch)
+                    prox = lp if logp_prox is None else logp_prox[sl]
+                    denom += policy_loss(lp, prox, logp_behav[sl], adv[sl], mask[sl], **kw)[1]["tbpo/n_kept"]
+                denom = max(denom, 1.0)
+    parts, finite = [], True
     for sl in micro:
-        lp = token_logprobs(rl.model, ids[sl], am[sl], mask[sl], args.temperature, args.micro_batch)
-        prox = lp if logp_prox is None else logp_prox[sl]
-        kept += policy_loss(lp, prox, logp_behav[sl], adv[sl], mask[sl], **kw)[1]["tbpo/n_kept"]
-    return max(kept, 1.0)
+        logp = token_logprobs(rl.model, ids[sl], am[sl], mask[sl], args.temperature, args.micro_batch)
+        prox = logp.detach() if logp_prox is None else logp_prox[sl]
+        loss, lm = policy_loss(logp, prox, logp_behav[sl], adv[sl], mask[sl], denom=denom, **kw)
+        if logp_ref is not None:
+            kl = kl_penalty(logp, logp_ref[sl], mask[sl], denom=n_tok)
+            loss = loss + args.kl_coef * kl
+            lm["loss/kl"] = float(kl.detach())
+        loss.backward()
+        finite &= bool(torch.isfinite(loss.detach()))
+        if logp_prox is None:
+            prox_seen.append(prox)
+        parts.append((lm, float(mask[sl].sum()), float((mask[sl].sum(1) > 0).sum())))
+    lm = _combine_micro(parts)
+    if args.loss == "tbpo" and logp_ref is None:
+        kept = max(lm["tbpo/n_kept"], 1.0)
+        lm["loss/policy"] /= kept
+        for param in rl.model.parameters():
+            if param.grad is not None:
+                param.grad.div_(kept)
+    return lm, finite
 
+def lr_at(step: int, steps: int, lr: float, schedule: str) -> float:
+    """Learning rate of step 1..steps. Cosine decay to 0 makes the last updates small, so the final policy (the one
+    evaluated and saved) is not caught mid-oscillation; TRL's default decays linearly for the same reason."""
+    if schedule == "constant":
+        return lr
+    return 0.5 * lr * (1 + math.cos(math.pi * (step - 1) / max(steps, 1)))
+
+
+# ============================================ THE METHOD, 7: the training loop ========================================
+LOG_EVERY, SAVE_EVERY, MAX_BAD_STEPS = 10, 50, 3  # progress line, checkpoint (also on Ctrl-C/SIGTERM), NaN guard
+
+def train(args: Args) -> dict:
+    """The RL loop: train_step after train_step, an evaluation every --eval-every steps, a checkpoint every
+    SAVE_EVERY steps and on Ctrl-C or SIGTERM. Set-up, evaluation, checkpoints and the summary are Appendix A's."""
+    rl, run = start_run(args)
+    with stop_requests(), tracking(args, run.dir) as track, open(run.dir / "metrics.jsonl", "a") as log:
+        for step in range(run.step + 1, args.steps + 1):
+            for group in rl.opt.param_groups:
+                group["lr"] = lr_at(step, args.steps, args.lr, args.lr_schedule)
+            problems = [run.train_set[run.order[(run.data_pos + i) % len(run.order)]]
+                        for i in range(args.prompts_per_step)]
+            m, t_roll = train_step(rl, args, problems, step)
+            run.step, run.data_pos = step, run.data_pos + args.prompts_per_step
+            run.bad_in_row = run.bad_in_row + 1 if m["guard/skipped"] else 0
+            run.skipped += m["guard/skipped"]
+            if run.bad_in_row >= MAX_BAD_STEPS:
+                raise QurlError(f"{run.bad_in_row} steps in a row with non-finite losses or gradients (step {step}): "
+                                f"stopped; the last good checkpoint is in {run.dir}/ckpt (try a lower --lr)")
+            m.update({"guard/skipped": run.skipped, "opt/lr": rl.opt.param_groups[0]["lr"]})
+            run.rollout_s, run.step_s = run.rollout_s + t_roll, run.step_s + m["perf/step_s"]
+            eval_now = step % args.eval_every == 0 or step == args.steps
+            if eval_now:
+                run.last_eval, run.last_pass = run_eval(rl, args, run)
+            m.update({"eval/acc": run.last_eval if eval_now else None,
+                      "eval/pass@k": run.last_pass if eval_now else None})
+            log.write(json.dumps(m) + "\n")
+            log.flush()
+            track(m)
+            if step % LOG_EVERY == 0 or step == args.steps:
+                print_progress(run, m, args)
+            if STOP:
+                save_checkpoint(run.dir, checkpoint_state(rl, run, args))
+                notice(f"stopped: checkpoint of step {step} written; continue with: python qurl.py --resume "
+                       f"{run.dir}")
+                raise SystemExit(128 + next(iter(STOP)))  # 130 after Ctrl-C, 143 after SIGTERM
+            if step % SAVE_EVERY == 0 and step != args.steps:
+                save_checkpoint(run.dir, checkpoint_state(rl, run, args))
+    save_checkpoint(run.dir, checkpoint_state(rl, run, args))
+    return finish_run(rl, run, args)
+
+
+# ============================================ APPENDIX A: plumbing (arguments, data, model, run folders, signals) =====
+def _parser(defaults: bool = True) -> argparse.ArgumentParser:
+    """argparse from Args, each field's doc its --help. defaults=False leaves out the flags the user did not type."""
+    parser = argparse.ArgumentParser(prog="qurl.py", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                     argument_default=None if defaults else argparse.SUPPRESS)
+    parser.error = lambda msg: _die(f"{msg} (see python qurl.py --help)")  # one line, no usage dump
+    section = parser
+    for f in dataclasses.fields(Args):
+        name, meta, kind = "--" + f.name.replace("_", "-"), f.metadata, str(f.type)
+        default = f.default if defaults else argparse.SUPPRESS
+        section = parser.add_argument_group(meta["group"]) if "group" in meta else section
+        if kind == "bool":
+            section.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
+        else:
+            section.add_argument(name, type=float if "float" in kind else int if kind == "int" else str,
+                                 default=default, help=meta["help"], choices=meta.get("choices"),
+                                 nargs=meta.get("nargs"), metavar=meta.get("metavar"))
+    return parser
+
+def parse_args(argv=None) -> Args:
+    """Parse and validate. With --resume DIR the run's args.json is the base and only the flags typed now override
+    it: `python qurl.py --resume runs/x` continues the run as it was started."""
+    args, typed = Args(**vars(_parser().parse_args(argv))), vars(_parser(defaults=False).parse_args(argv))
+    if args.resume:
+        saved = Path(args.resume) / "args.json"
+        if not saved.is_file():
+            _die(f"--resume {args.resume}: no checkpoint there (not a run folder: {saved} is missing)")
+        names = {f.name for f in dataclasses.fields(Args)}
+        args = Args(**{**{k: v for k, v in json.loads(saved.read_text()).items() if k in names}, **typed})
+    msg = validate_args(args)
+    if msg:
+        _die(msg)
+    for line in flag_notices(args, set(typed)):
+        notice(line)
+    return args
+
+def flag_notices(args: Args, typed: set[str]) -> list[str]:
+    """Flags the user typed that do nothing: for the chosen loss, or with one update per rollout. One line each."""
+    unused = {"naive": {"tbpo_band", "is_cap"}, "tis": {"tbpo_band"}, "acr": {"tbpo_band"},
+              "tbpo": {"eps_low", "eps_high"}}[args.loss]
+    out = [f"--{name.replace('_', '-')} does nothing with --loss {args.loss}" for name in sorted(unused & typed)]
+    asked = typed & {"loss", "eps_low", "eps_high", "tbpo_band"}
+    if args.ppo_epochs * args.mini_batches == 1 and args.loss != "naive" and asked and not (args.bench or args.plot):
+        what = {"tis": "the PPO clip never binds", "acr": "the PPO clip never binds and ACR equals TIS bit for bit",
+                "tbpo": "no sequence leaves TBPO's band (s = 1)"}[args.loss]
+        out.append(f"with one update per rollout (--ppo-epochs 1 --mini-batches 1) pi_theta = pi_prox at the update, "
+                   f"so R = 1: {what}; use --mini-batches > 1 or --ppo-epochs > 1 to see it act")
+    return out
+
+def validate_args(args: Args) -> str | None:
+    """Return a one-line complaint about the first out-of-range value, or None."""
+    checks = [
+        (args.group_size >= 2,
+         f"--group-size must be >= 2 (a GRPO group needs two samples to compare), got {args.group_size}"),
+        (args.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {args.prompts_per_step}"),
+        (args.temperature >= 0, f"--temperature must be >= 0, got {args.temperature}"),
+        (args.temperature > 0 or args.steps == 0 or args.dry_run or args.plot or args.bench == "rollout",
+         "--temperature 0 (greedy) cannot train: a greedy rollout has no distribution to compute a policy gradient "
+         "of; use a temperature > 0 (1.0 is the default)"),
+        (0 <= args.eps_low < 1, f"--eps-low must be in [0, 1), got {args.eps_low}"),
+        (args.eps_high >= 0, f"--eps-high must be >= 0, got {args.eps_high}"),
+        (args.is_cap >= 1, f"--is-cap must be >= 1 (it truncates pi_prox/pi_behav; FlashRL uses 2), got {args.is_cap}"),
+        (min(args.tbpo_band) > 0 and args.tbpo_band[0] < 1, "--tbpo-band values must be > 0 (and LO < 1)"),
+        (args.invariant_scale is None or args.invariant_scale > 0,
+         f"--invariant-scale must be > 0 (1 disables it; the paper uses 1.5), got {args.invariant_scale}"),
+        (args.lr > 0, f"--lr must be > 0, got {args.lr}"),
+        (args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}"),
+        (args.steps >= 0, f"--steps must be >= 0, got {args.steps}"),
+        (min(args.max_new_tokens, args.ppo_epochs, args.mini_batches, args.micro_batch, args.eval_every) >= 1,
+         "--max-new-tokens, --ppo-epochs, --mini-batches, --micro-batch and --eval-every must be >= 1"),
+        (args.mini_batches <= args.prompts_per_step * args.group_size, "--mini-batches exceeds the rows of a step"),
+        (args.eval_size >= 0 and args.eval_k >= 0, "--eval-size and --eval-k must be >= 0"),
+        (args.dtype != "float16", "--dtype float16 is not supported: fp16 autocast needs loss scaling, which qurl "
+                                  "does not do; use bfloat16 (or float32 on a GPU without bf16)"),
+        (args.dtype in ("auto", "float32", "bfloat16"), f"--dtype: unknown '{args.dtype}' (auto, float32 or bfloat16)"),
+        (not (args.align_forward and args.quant == "none"),
+         "--align-forward needs a quantizer: add --quant int8, fp8 or nf4"),
+        (len(args.fields.split(",")) == 2 and all(args.fields.split(",")),
+         f"--fields must name two fields, QUESTION,ANSWER, got '{args.fields}'"),
+        (args.run_name is None or (args.run_name not in ("", ".", "..") and not set(args.run_name) & set("/\\")),
+         f"--run-name must be one folder name inside --out-dir (not empty, no / or \\, not . or ..), "
+         f"got {args.run_name!r}"),
+        (all(b.strip().isdigit() and int(b) > 0 for b in args.bench_batch.split(",")),
+         f"--bench-batch must be positive integers separated by commas, got '{args.bench_batch}'"),
+    ]
+    return next((msg for ok, msg in checks if not ok), None)
+
+def _die(msg: str) -> None:
+    print(f"qurl: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+def _batches(n_rows: int, n_mb: int) -> list[slice]:
+    """n_mb contiguous slices of sizes that differ by at most one (fewer only when n_rows < n_mb)."""
+    bounds = [round(i * n_rows / n_mb) for i in range(n_mb + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 def _combine_micro(parts: list[tuple[dict, float, float]]) -> dict:
     """One mini-batch's metrics from its micro-batches': losses add up (each was divided by the mini-batch's
@@ -906,22 +938,231 @@ def _combine_micro(parts: list[tuple[dict, float, float]]) -> dict:
             out[k] = sum(lm[k] * c for (lm, _, _), c in zip(parts, counts)) / max(sum(counts), 1.0)
     return out
 
+def _require_bnb(fmt: str = "int8") -> None:
+    try:
+        import bitsandbytes
+        version = bitsandbytes.__version__
+    except ImportError:
+        version = None
+    if version is None or tuple(int(v) for v in version.split(".")[:2]) < (0, 46):
+        raise QurlError(f"--quant {fmt} needs bitsandbytes >= 0.46 for its CPU ops, found {version} (pip install -U "
+                        f"'bitsandbytes>=0.46'); or use --quant fp8")
 
-def _batches(n_rows: int, n_mb: int) -> list[slice]:
-    """n_mb contiguous slices of sizes that differ by at most one (fewer only when n_rows < n_mb)."""
-    bounds = [round(i * n_rows / n_mb) for i in range(n_mb + 1)]
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+_NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
 
+def _last_number(text: str) -> str | None:
+    nums = _NUM.findall(text)
+    return nums[-1] if nums else None
 
-def lr_at(step: int, steps: int, lr: float, schedule: str) -> float:
-    """Learning rate of step 1..steps. Cosine decay to 0 makes the last updates small, so the final policy (the one
-    evaluated and saved) is not caught mid-oscillation; TRL's default decays linearly for the same reason."""
-    if schedule == "constant":
-        return lr
-    return 0.5 * lr * (1 + math.cos(math.pi * (step - 1) / max(steps, 1)))
+def _boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...}, braces balanced."""
+    start = text.rfind("\\boxed")
+    i = text.find("{", start) if start >= 0 else -1
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
 
+def _normalize(ans: str) -> str:
+    """'$1,234.50' -> '1234.5', '\\frac{3}{4}' -> '3/4', '-12 apples' -> '-12'; non-numeric text -> lowercased."""
+    text = ans.strip().replace("\\!", "").replace("$", "").replace("\\%", "").replace("%", "")
+    text = re.sub(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", text)
+    text = re.sub(r"\\text\{([^{}]*)\}", r"\1", text).replace("−", "-")
+    frac = re.fullmatch(r"\s*\(?(-?[\d,]*\.?\d+)\)?\s*/\s*\(?(\d+)\)?\s*", text)
+    num = (frac.group(1) + "/" + frac.group(2)) if frac else _last_number(text) if re.search(r"\d", text) else None
+    if num is None:
+        return re.sub(r"\s+", " ", text).strip().strip(".").lower()
+    num = num.replace(",", "").replace(" ", "")
+    value = _as_number(num)
+    if value is None:
+        return num
+    if value.denominator == 1:
+        return str(value.numerator)
+    return f"{value.numerator}/{value.denominator}" if "/" in num else repr(float(value)).rstrip("0").rstrip(".")
 
-# ============================================ THE METHOD, 7: the training loop and evaluation =========================
+def _as_number(text: str) -> Fraction | None:
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+def load_problems(spec: str, split: str = "train", fields: str = "question,answer") -> list[dict]:
+    """[{"question", "gold"}] from a .jsonl (read line by line: an error names the line), .json or .parquet file, or
+    a hub data set NAME[:CONFIG][@SPLIT]; the gold answer is `extract_answer` of the answer field."""
+    path, (question_field, answer_field) = Path(spec), fields.split(",")
+    if not (path.suffix in (".jsonl", ".json", ".parquet") or path.exists() or spec.startswith((".", "/"))):
+        rows = _load_hub_rows(spec, split)
+    elif not path.is_file():
+        raise QurlError(f"data file not found: {spec}")
+    elif path.suffix == ".jsonl":
+        rows = []
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                rows += [(f"{spec}:{i}", json.loads(line))] if line.strip() else []
+            except json.JSONDecodeError as e:
+                raise QurlError(f"{spec}:{i}: malformed JSON line ({e.msg}); fix or delete that line") from None
+    elif path.suffix in (".json", ".parquet"):
+        try:
+            ds = _datasets().load_dataset(path.suffix[1:], data_files=str(path), split="train")
+        except Exception as e:
+            raise QurlError(f"{spec}: cannot be read as {path.suffix[1:]} ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:200]})") from None
+        rows = [(f"{spec} row {i + 1}", r) for i, r in enumerate(ds)]
+    else:
+        raise QurlError(f"{spec}: unknown data format '{path.suffix}'; use .jsonl, .json or .parquet")
+    problems = []
+    for where, r in rows:
+        if not isinstance(r, dict):
+            raise QurlError(f"{where}: expected a JSON object, got {type(r).__name__}")
+        for key in (question_field, answer_field):
+            if key not in r:
+                raise QurlError(f"{where}: missing field '{key}' (has {sorted(r)}); set --fields QUESTION,ANSWER")
+        gold = extract_answer(str(r[answer_field]))
+        if gold is None:
+            raise QurlError(f"{where}: gold answer does not parse: {str(r[answer_field])[-80:]!r}")
+        problems.append({"question": str(r[question_field]), "gold": gold})
+    if not problems:
+        raise QurlError(f"{spec}: no problems found (empty data set)")
+    return problems
+
+def load_data(args: Args) -> tuple[list[dict], list[dict]]:
+    """(training problems, held-out problems) from the files or hub data sets the flags name."""
+    return load_problems(args.train_data, "train", args.fields), load_problems(args.test_data, "test", args.fields)
+
+def _datasets():
+    """`datasets` without progress bars or its own error log lines: qurl reports a failure in one line."""
+    import datasets
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    return datasets
+
+def _load_hub_rows(spec: str, split: str):
+    """Rows of hub data set NAME[:CONFIG][@SPLIT] (openai/gsm8k's config defaults to 'main')."""
+    spec, _, split = spec.partition("@") if "@" in spec else (spec, "", split)
+    name, _, config = spec.partition(":")
+    try:
+        ds = _datasets().load_dataset(name, config or ("main" if name.endswith("gsm8k") else None), split=split)
+    except Exception as e:
+        text = f"{type(e).__name__}: {e}"
+        if any(word in text for word in ("Offline", "offline", "resolve", "Connection")):
+            raise QurlError(f"cannot load hub data set '{name}': no network (offline); pass a local "
+                            f".jsonl/.json/.parquet file, e.g. data/arith_train.jsonl") from None
+        raise QurlError(f"cannot load data set '{name}' (not a local file either): {text.splitlines()[0][:200]}") \
+            from None
+    return [(f"{name}[{split}] row {i + 1}", r) for i, r in enumerate(ds)]
+
+def resolve_device_dtype(dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
+    """CUDA when torch sees it (CUDA_VISIBLE_DEVICES= forces the CPU); the compute dtype: bf16 on CUDA, else fp32."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype == "auto":
+        dtype = "bfloat16" if dev.type == "cuda" else "float32"
+        if dev.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+            dtype = "float32"
+            notice("this GPU has no bf16 arithmetic: computing in float32")
+    return dev, getattr(torch, dtype)
+
+def load_model(name_or_path: str = "data/tiny-qwen", device="cpu", dtype=torch.float32, weights: bool = True):
+    """(model, tokenizer) through AutoModelForCausalLM / AutoTokenizer; left padding and a pad token are ensured.
+    weights=False builds the model from its config on the meta device: its shapes, no memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if not Path(name_or_path).is_dir() and (HERE / name_or_path).is_dir():
+        name_or_path = str(HERE / name_or_path)
+    local = Path(name_or_path).is_dir()
+    if not local and (name_or_path.startswith((".", "/")) or name_or_path.count("/") != 1):
+        raise QurlError(f"model not found: '{name_or_path}' is not a folder, nor a hub name like Qwen/Qwen2.5-0.5B")
+    try:
+        tok = AutoTokenizer.from_pretrained(name_or_path)
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device)
+        else:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(name_or_path))
+    except OSError as e:
+        if not local:
+            raise QurlError(f"cannot load '{name_or_path}' from the hub (offline or no such model): use a local "
+                            f"folder such as data/tiny-qwen") from None
+        raise QurlError(f"cannot load model folder '{name_or_path}': {str(e).splitlines()[0][:200]}") from None
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model, tok
+
+def prepare_actor(model: nn.Module, grad_checkpointing: bool = False) -> None:
+    """The learner's forwards run in train mode (gradient checkpointing needs it). With dropout pi_prox and pi_theta
+    would be noisy estimates of the same policy, so every dropout probability is set to 0."""
+    for mod in model.modules():
+        if isinstance(mod, nn.Dropout):
+            mod.p = 0.0
+        for name in ("attention_dropout", "dropout"):   # transformers' attention modules keep a float
+            if isinstance(getattr(mod, name, None), float):
+                setattr(mod, name, 0.0)
+    if grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+def check_prompt_lengths(model, tok, problems: list[dict], max_new_tokens: int) -> None:
+    """Refuse, before anything is written, problems whose prompt + response cannot fit the model's context."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is None:
+        return
+    lens = [len(x) for x in tok([format_prompt(p["question"], tok) for p in problems],
+                                add_special_tokens=False)["input_ids"]]
+    i = max(range(len(lens)), key=lens.__getitem__)
+    if lens[i] + max_new_tokens > limit:
+        raise QurlError(f"problem {i + 1} ({problems[i]['question'][:40]!r}...): prompt of {lens[i]} tokens + "
+                        f"--max-new-tokens {max_new_tokens} exceeds the model's context of {limit}; shorten or "
+                        f"drop long problems, or lower --max-new-tokens")
+
+RUN_MARKER = ".qurl-run"  # written into every run folder at creation: --overwrite deletes only folders that hold it
+
+def is_qurl_run(d: Path) -> bool:
+    """A folder qurl created: it holds the marker (or, for runs made before the marker, args.json + metrics.jsonl)."""
+    return (d / RUN_MARKER).is_file() or ((d / "args.json").is_file() and (d / "metrics.jsonl").is_file())
+
+def check_run_dir(args: Args) -> Path:
+    """The run folder, checked without side effects (a run that fails later in set-up has destroyed nothing). A
+    default name is numbered (-2, -3, ...) when taken, so a command runs twice; a chosen name never changes."""
+    d = Path(args.resume or Path(args.out_dir) / (args.run_name or f"{args.quant}-{args.loss}-s{args.seed}"))
+    if args.resume:
+        if not (d / "ckpt" / "state.pt").is_file() and not (d / "ckpt.old" / "state.pt").is_file():
+            raise QurlError(f"--resume {d}: no checkpoint there (expected {d}/ckpt/state.pt)")
+        return d
+    if args.run_name is None and not args.overwrite:
+        d = next(c for c in (d.with_name(f"{d.name}-{i}" if i > 1 else d.name) for i in range(1, 10**6))
+                 if not c.exists())
+    if d.exists() and not d.is_dir():
+        raise QurlError(f"run folder {d} is a file, not a folder: choose another --run-name or --out-dir")
+    if d.is_dir() and any(d.iterdir()) and not args.overwrite:
+        raise QurlError(f"run folder {d} already exists: pass --resume {d} to continue it, --overwrite to replace "
+                        f"it, or --run-name NAME")
+    if d.is_dir() and any(d.iterdir()) and not is_qurl_run(d):
+        held = sorted(path.name for path in d.iterdir())
+        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        raise QurlError(f"--overwrite: {d} is not a qurl run folder (it holds {shown}; no {RUN_MARKER}), so qurl "
+                        f"will not delete it: choose another --run-name or --out-dir")
+    parent = next(path for path in [d, *d.parents] if path.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise QurlError(f"cannot write to {d} ({parent} is not a writable folder); choose another --out-dir")
+    return d
+
+def make_run_dir(d: Path) -> None:
+    """Create the run folder (replacing an old qurl run under --overwrite, which check_run_dir allowed) and mark it."""
+    if d.is_dir() and any(d.iterdir()):
+        assert is_qurl_run(d), d  # check_run_dir refused anything else
+        shutil.rmtree(d)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / RUN_MARKER).write_text("a qurl run folder: qurl --overwrite may delete it\n")
+    except OSError as e:
+        raise QurlError(f"cannot write to {d} ({e.strerror}); choose another --out-dir") from None
+
 @dataclass
 class RunState:
     """A run's bookkeeping between steps: its folder, data, position, and what it has measured so far."""
@@ -943,56 +1184,58 @@ class RunState:
     step_s: float = 0.0
     t_start: float = 0.0
 
+def start_run(args: Args) -> tuple[Learner, RunState]:
+    """Check the model, data and run folder; build the learner (fp32 masters, invariant scaling, the KL reference,
+    the rollout actor, AdamW); only then create or resume the run folder, and evaluate the start."""
+    _tracker_module(args.track)  # a missing wandb/tensorboard package fails first
+    device, dtype = resolve_device_dtype(args.dtype)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    model, tok = load_model(args.model, device, torch.float32)  # fp32 master weights; forwards run in `dtype`
+    prepare_actor(model, args.grad_checkpointing)
+    train_set, test_set = load_data(args)
+    test_set = test_set[:args.eval_size] if args.eval_size else test_set
+    check_prompt_lengths(model, tok, train_set + test_set, args.max_new_tokens)
+    d = check_run_dir(args)
+    ckpt = load_checkpoint(d) if args.resume else None
+    if ckpt is not None and ckpt["model_id"] != _model_id(model):
+        raise QurlError(f"--resume {d}: checkpoint is of a different model ({ckpt['model_id']}) than "
+                        f"--model {args.model} ({_model_id(model)})")
+    s = args.invariant_scale if args.invariant_scale is not None else (1.0 if args.quant == "none" else 1.5)
+    if s != 1.0:
+        invariant_scale(model, s)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None  # the start
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+    actor = make_rollout_actor(model, args.quant, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    rl = Learner(model, opt, actor, tok, torch.Generator(device=device).manual_seed(args.seed), dtype, ref_model)
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.seed + 1)).tolist()
+    run = RunState(d, train_set, test_set, order, s)
+    if ckpt is not None:
+        resume_from(rl, run, ckpt)
+    else:
+        make_run_dir(d)  # every check has passed: only now may an old run be replaced
+        (d / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
+        (d / "metrics.jsonl").write_text("")
+    run.start_step, run.t_start = run.step, time.time()
+    if ckpt is None:
+        run.first_eval, run.first_pass = run_eval(rl, args, run)
+        at_k = f", pass@{args.eval_k} {run.first_pass:.3f}" if args.eval_k else ""
+        notice(f"step 0: eval/acc {run.first_eval:.3f}{at_k} on {len(test_set)} held-out problems")
+    run.last_eval, run.last_pass = run.first_eval, run.first_pass
+    return rl, run
 
-def train(args: Args) -> dict:
-    """The RL loop: train_step after train_step, an evaluation every --eval-every steps, a checkpoint every
-    --save-every steps and on Ctrl-C or SIGTERM. Set-up, checkpoints and the summary are Appendix A's."""
-    rl, run = start_run(args)
-    with stop_requests(), tracking(args, run.dir) as track, open(run.dir / "metrics.jsonl", "a") as log:
-        for step in range(run.step + 1, args.steps + 1):
-            for group in rl.opt.param_groups:
-                group["lr"] = lr_at(step, args.steps, args.lr, args.lr_schedule)
-            problems = [run.train_set[run.order[(run.data_pos + i) % len(run.order)]]
-                        for i in range(args.prompts_per_step)]
-            m, t_roll = train_step(rl, args, problems, step)
-            run.step, run.data_pos = step, run.data_pos + args.prompts_per_step
-            run.bad_in_row = run.bad_in_row + 1 if m["guard/skipped"] else 0
-            run.skipped += m["guard/skipped"]
-            if run.bad_in_row >= args.max_bad_steps:
-                raise QurlError(f"{run.bad_in_row} steps in a row with non-finite losses or gradients (step {step}): "
-                                f"stopped; the last good checkpoint is in {run.dir}/ckpt (try a lower --lr)")
-            m.update({"guard/skipped": run.skipped, "opt/lr": rl.opt.param_groups[0]["lr"]})
-            run.rollout_s, run.step_s = run.rollout_s + t_roll, run.step_s + m["perf/step_s"]
-            eval_now = step % args.eval_every == 0 or step == args.steps
-            if eval_now:
-                run.last_eval, run.last_pass = run_eval(rl, args, run)
-            m.update({"eval/acc": run.last_eval if eval_now else None,
-                      "eval/pass@k": run.last_pass if eval_now else None})
-            log.write(json.dumps(m) + "\n")
-            log.flush()
-            track(m)
-            if step % args.log_every == 0 or step == args.steps:
-                print_progress(run, m, args)
-            if STOP:
-                save_checkpoint(run.dir, checkpoint_state(rl, run, args))
-                notice(f"stopped: checkpoint of step {step} written; continue with: python qurl.py --resume "
-                       f"{run.dir}")
-                raise SystemExit(128 + next(iter(STOP)))  # 130 after Ctrl-C, 143 after SIGTERM
-            if step % args.save_every == 0 and step != args.steps:
-                save_checkpoint(run.dir, checkpoint_state(rl, run, args))
-    save_checkpoint(run.dir, checkpoint_state(rl, run, args))
-    return finish_run(rl, run, args)
-
+EVAL_BATCH = 256  # rows per evaluation batch
 
 def run_eval(rl: Learner, args: Args, run: RunState) -> tuple[float, float | None]:
     """Greedy held-out accuracy of the fp actor (and pass@k with --eval-k), in the learner's compute dtype."""
     rl.model.eval()
     with autocast(rl.gen.device, rl.dtype):
         res = evaluate(rl.model, rl.tok, run.test_set, max_new_tokens=args.max_new_tokens,
-                       batch_size=args.eval_batch, k=args.eval_k, seed=args.seed)
+                       batch_size=EVAL_BATCH, k=args.eval_k, seed=args.seed)
     rl.model.train()
     return res["acc"], res.get(f"pass@{args.eval_k}")
-
 
 @torch.no_grad()
 def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int = 32, batch_size: int = 256, k: int = 0,
@@ -1019,372 +1262,28 @@ def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int = 32, b
         out[f"pass@{k}"] = solved / len(problems)
     return out
 
-
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c are right (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
-
 def save_final(path: Path, model, tok, s: float) -> None:
-    """`final/`: a standard checkpoint that from_pretrained loads and a new run can start from: the fp32 masters (a
-    bf16 export would round away most of an RL run's small updates), with invariant scaling folded back (q/k/v and
-    gate/up weights times s, their norms divided by s). The model is left on the original scale."""
+    """`final/`, a standard checkpoint: the fp32 masters (a bf16 export would round away most of an RL run's small
+    updates) with invariant scaling folded back. The model is left on the original scale."""
     if s != 1.0:
         invariant_scale(model, 1.0 / s)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     (path / "qurl.json").write_text(json.dumps({"invariant_scale_folded_back": s, "dtype": "float32"}) + "\n")
 
-
-# ============================================ APPENDIX A: plumbing (arguments, data, model, run folders, signals) =====
-def _parser(defaults: bool = True) -> argparse.ArgumentParser:
-    """argparse from the Args dataclass, each field's help its one-line doc. defaults=False leaves unset flags out of
-    the result (to tell which flags the user typed)."""
-    parser = argparse.ArgumentParser(prog="qurl.py", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                     argument_default=None if defaults else argparse.SUPPRESS)
-    parser.error = lambda msg: _die(f"{msg} (see python qurl.py --help)")  # one line, no usage dump
-    section = parser
-    for f in dataclasses.fields(Args):
-        name, meta, kind = "--" + f.name.replace("_", "-"), f.metadata, str(f.type)
-        default = f.default if defaults else argparse.SUPPRESS
-        section = parser.add_argument_group(meta["group"]) if "group" in meta else section
-        if kind == "bool":
-            section.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
-        else:
-            section.add_argument(name, type={"int": int, "float": float}.get(kind.split(" ")[0], str), default=default,
-                                 help=meta["help"], choices=meta.get("choices"), nargs=meta.get("nargs"))
-    return parser
-
-
-def parse_args(argv=None) -> Args:
-    """Parse and validate. With --resume DIR the run's saved args.json is the base and only the flags typed now
-    override it, so `python qurl.py --resume runs/x` continues the run as it was started."""
-    args, typed = Args(**vars(_parser().parse_args(argv))), vars(_parser(defaults=False).parse_args(argv))
-    if args.resume:
-        saved = Path(args.resume) / "args.json"
-        if not saved.is_file():
-            _die(f"--resume {args.resume}: no checkpoint there (not a run folder: {saved} is missing)")
-        names = {f.name for f in dataclasses.fields(Args)}
-        args = Args(**{**{k: v for k, v in json.loads(saved.read_text()).items() if k in names}, **typed})
-    msg = validate_args(args)
-    if msg:
-        _die(msg)
-    for line in flag_notices(args, set(typed)):
-        notice(line)
-    return args
-
-
-def flag_notices(args: Args, typed: set[str]) -> list[str]:
-    """Flags that do nothing for the chosen loss, and settings that make it equal to a simpler one: one line each."""
-    tbpo = {"tbpo_eps_low", "tbpo_eps_high", "tbpo_eps_high_neg", "tbpo_max_mismatch"}
-    unused = {"naive": tbpo | {"is_cap"}, "tis": tbpo, "acr": tbpo, "tbpo": {"eps_low", "eps_high"}}[args.loss]
-    out = [f"--{name.replace('_', '-')} does nothing with --loss {args.loss}" for name in sorted(unused & typed)]
-    tool = args.dry_run or args.plot or args.bench_rollout or args.bench_quant or args.bench_memory or args.bench_train
-    if args.ppo_epochs * args.mini_batches == 1 and args.loss != "naive" and not tool:
-        what = {"tis": "the PPO clip never binds", "acr": "the PPO clip never binds and ACR equals TIS bit for bit",
-                "tbpo": "no sequence leaves TBPO's band (s = 1)"}[args.loss]
-        out.append(f"with one update per rollout (--ppo-epochs 1 --mini-batches 1) pi_theta = pi_prox at the update, "
-                   f"so R = 1: {what}; use --mini-batches > 1 or --ppo-epochs > 1 to see it act")
-    if args.top_p < 1.0:
-        out.append("--top-p < 1 truncates the sampler's distribution; the training side uses the full softmax, so the "
-                   "importance ratio pi_prox/pi_behav is biased")
-    return out
-
-
-def validate_args(args: Args) -> str | None:
-    """Return a one-line complaint about the first out-of-range value, or None."""
-    checks = [
-        (args.group_size >= 2,
-         f"--group-size must be >= 2 (a GRPO group needs two samples to compare), got {args.group_size}"),
-        (args.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {args.prompts_per_step}"),
-        (args.temperature >= 0, f"--temperature must be >= 0 (0 is greedy), got {args.temperature}"),
-        (0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}"),
-        (0 <= args.eps_low < 1, f"--eps-low must be in [0, 1), got {args.eps_low}"),
-        (args.eps_high >= 0, f"--eps-high must be >= 0, got {args.eps_high}"),
-        (args.is_cap >= 1, f"--is-cap must be >= 1 (it truncates pi_prox/pi_behav; FlashRL uses 2), got {args.is_cap}"),
-        (args.invariant_scale is None or args.invariant_scale > 0,
-         f"--invariant-scale must be > 0 (1 disables it; the paper uses 1.5), got {args.invariant_scale}"),
-        (args.lr > 0, f"--lr must be > 0, got {args.lr}"),
-        (args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}"),
-        (args.steps >= 0, f"--steps must be >= 0, got {args.steps}"),
-        (args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
-        (args.ppo_epochs >= 1 and args.mini_batches >= 1, "--ppo-epochs and --mini-batches must be >= 1"),
-        (args.mini_batches <= args.prompts_per_step * args.group_size, "--mini-batches exceeds the rows of a step"),
-        (min(args.micro_batch, args.eval_batch, args.eval_every, args.log_every, args.save_every, args.max_bad_steps,
-             args.bench_len, args.bench_runs) >= 1,
-         "--micro-batch, --eval-batch, --eval/log/save-every, --max-bad-steps, --bench-len, --bench-runs must be >= 1"),
-        (args.eval_size >= 0 and args.eval_k >= 0, "--eval-size and --eval-k must be >= 0"),
-        (args.max_grad_norm > 0, f"--max-grad-norm must be > 0, got {args.max_grad_norm}"),
-        (args.device in ("auto", "cpu", "cuda") or args.device.startswith("cuda:"),
-         f"--device: unknown '{args.device}'"),
-        (args.dtype != "float16", "--dtype float16 is not supported: fp16 autocast needs loss scaling, which qurl "
-                               "does not do; use bfloat16 (or float32 on a GPU without bf16)"),
-        (args.dtype in ("auto", "float32", "bfloat16"), f"--dtype: unknown '{args.dtype}' (auto, float32 or bfloat16)"),
-        (min(args.tbpo_eps_low, args.tbpo_eps_high, args.tbpo_eps_high_neg) > 0 and args.tbpo_eps_low < 1,
-         "--tbpo-eps-low/-high/-high-neg must be > 0 (and eps-low < 1)"),
-        (args.tbpo_max_mismatch is None or args.tbpo_max_mismatch > 1, "--tbpo-max-mismatch must be > 1"),
-        (args.temperature > 0 or args.steps == 0 or args.dry_run or args.plot or args.bench_quant or args.bench_rollout,
-         "--temperature 0 (greedy) cannot train: a greedy rollout has no distribution to compute a policy gradient "
-         "of; use a temperature > 0 (1.0 is the default)"),
-        (not (args.align_forward and args.quant == "none"),
-         "--align-forward needs a quantizer: add --quant int8, fp8 or nf4"),
-        (args.run_name is None or (args.run_name not in ("", ".", "..") and not set(args.run_name) & set("/\\")),
-         f"--run-name must be one folder name inside --out-dir (not empty, no / or \\, not . or ..), "
-         f"got {args.run_name!r}"),
-        (all(b.strip().isdigit() and int(b) > 0 for b in args.bench_batch.split(",")),
-         f"--bench-batch must be positive integers separated by commas, got '{args.bench_batch}'"),
-    ]
-    return next((msg for ok, msg in checks if not ok), None)
-
-
-def _die(msg: str) -> None:
-    print(f"qurl: error: {msg}", file=sys.stderr)
-    sys.exit(2)
-
-
-def _require_bnb(fmt: str = "int8") -> None:
-    try:
-        import bitsandbytes
-    except ImportError:
-        raise QurlError(f"--quant {fmt} needs bitsandbytes >= 0.46 (pip install 'bitsandbytes>=0.46'); "
-                        f"or use --quant fp8") from None
-    if tuple(int(v) for v in bitsandbytes.__version__.split(".")[:2]) < (0, 46):
-        raise QurlError(f"--quant {fmt} needs bitsandbytes >= 0.46 for its CPU ops, found {bitsandbytes.__version__}"
-                        f" (pip install -U bitsandbytes); or use --quant fp8")
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-
-
-def load_problems(spec: str, split: str = "train", question_field: str = "question", answer_field: str = "answer",
-                  config: str | None = None) -> list[dict]:
-    """Problems as [{"question": str, "gold": str}] from a local .jsonl/.json/.parquet file or a hub data set; the
-    gold answer is `extract_answer(answer_field)`. .jsonl is read line by line so that an error names the line."""
-    path = Path(spec)
-    if not (path.suffix in (".jsonl", ".json", ".parquet") or path.exists() or spec.startswith((".", "/"))):
-        rows = _load_hub_rows(spec, split, config)
-    elif not path.is_file():
-        raise QurlError(f"data file not found: {spec}")
-    elif path.suffix == ".jsonl":
-        rows = []
-        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            try:
-                rows += [(f"{spec}:{i}", json.loads(line))] if line.strip() else []
-            except json.JSONDecodeError as e:
-                raise QurlError(f"{spec}:{i}: malformed JSON line ({e.msg}); fix or delete that line") from None
-    elif path.suffix in (".json", ".parquet"):
-        try:
-            with _quiet_datasets() as datasets:
-                ds = datasets.load_dataset(path.suffix[1:], data_files=str(path), split="train")
-        except Exception as e:
-            raise QurlError(f"{spec}: cannot be read as {path.suffix[1:]} ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:200]})") from None
-        rows = [(f"{spec} row {i + 1}", r) for i, r in enumerate(ds)]
-    else:
-        raise QurlError(f"{spec}: unknown data format '{path.suffix}'; use .jsonl, .json or .parquet")
-    problems = []
-    for where, r in rows:
-        if not isinstance(r, dict):
-            raise QurlError(f"{where}: expected a JSON object, got {type(r).__name__}")
-        for key in (question_field, answer_field):
-            if key not in r:
-                raise QurlError(f"{where}: missing field '{key}' (has {sorted(r)}); set --question-field / "
-                                f"--answer-field")
-        gold = extract_answer(str(r[answer_field]))
-        if gold is None:
-            raise QurlError(f"{where}: gold answer does not parse: {str(r[answer_field])[-80:]!r}")
-        problems.append({"question": str(r[question_field]), "gold": gold})
-    if not problems:
-        raise QurlError(f"{spec}: no problems found (empty data set)")
-    return problems
-
-
-def load_data(args: Args) -> tuple[list[dict], list[dict]]:
-    """(training problems, held-out problems) from the files or hub data sets the flags name."""
-    train_set, test_set = (load_problems(spec, split, args.question_field, args.answer_field, args.data_config)
-                           for spec, split in [(args.train_data, args.train_split), (args.test_data, args.test_split)])
-    return train_set, test_set
-
-
-@contextlib.contextmanager
-def _quiet_datasets():
-    """`datasets` without progress bars and without its own error log lines: qurl reports a failure in one line."""
-    import datasets
-    datasets.disable_progress_bars()
-    level = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    try:
-        yield datasets
-    finally:
-        datasets.logging.set_verbosity(level)
-
-
-def _load_hub_rows(name: str, split: str, config: str | None):
-    try:
-        with _quiet_datasets() as datasets:
-            ds = datasets.load_dataset(name, config or ("main" if name.endswith("gsm8k") else None), split=split)
-    except Exception as e:
-        text = f"{type(e).__name__}: {e}"
-        if any(word in text for word in ("Offline", "offline", "resolve", "Connection")):
-            raise QurlError(f"cannot load hub data set '{name}': no network (offline); pass a local "
-                            f".jsonl/.json/.parquet file, e.g. data/arith_train.jsonl") from None
-        raise QurlError(f"cannot load data set '{name}' (not a local file either): {text.splitlines()[0][:200]}") \
-            from None
-    return [(f"{name}[{split}] row {i + 1}", r) for i, r in enumerate(ds)]
-
-
-def resolve_device_dtype(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise QurlError("CUDA was requested but torch sees no CUDA device (CPU build or no driver); use --device cpu")
-    dev = torch.device(device)
-    if dtype == "auto":
-        dtype = "bfloat16" if dev.type == "cuda" else "float32"
-        if dev.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
-            dtype = "float32"
-            notice("this GPU has no bf16 arithmetic: computing in float32")
-    return dev, getattr(torch, dtype)
-
-
-def load_model(name_or_path: str = "data/tiny-qwen", device="cpu", dtype=torch.float32):
-    """(model, tokenizer) through AutoModelForCausalLM / AutoTokenizer; left padding and a pad token are ensured."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    if not Path(name_or_path).is_dir() and (HERE / name_or_path).is_dir():
-        name_or_path = str(HERE / name_or_path)
-    local = Path(name_or_path).is_dir()
-    if not local and (name_or_path.startswith((".", "/")) or name_or_path.count("/") != 1):
-        raise QurlError(f"model not found: '{name_or_path}' is not a folder, nor a hub name like Qwen/Qwen2.5-0.5B")
-    try:
-        tok = AutoTokenizer.from_pretrained(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
-    except OSError as e:
-        if not local:
-            raise QurlError(f"cannot load '{name_or_path}' from the hub (offline or no such model): use a local "
-                            f"folder such as data/tiny-qwen") from None
-        raise QurlError(f"cannot load model folder '{name_or_path}': {str(e).splitlines()[0][:200]}") from None
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    model.to(device)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    return model, tok
-
-
-def check_prompt_lengths(model, tok, problems: list[dict], max_new_tokens: int) -> None:
-    """Refuse, before anything is written, problems whose prompt + response cannot fit the model's context."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is None:
-        return
-    lens = [len(x) for x in tok([format_prompt(p["question"], tok) for p in problems],
-                                add_special_tokens=False)["input_ids"]]
-    i = max(range(len(lens)), key=lens.__getitem__)
-    if lens[i] + max_new_tokens > limit:
-        raise QurlError(f"problem {i + 1} ({problems[i]['question'][:40]!r}...): prompt of {lens[i]} tokens + "
-                        f"--max-new-tokens {max_new_tokens} exceeds the model's context of {limit}; shorten or "
-                        f"drop long problems, or lower --max-new-tokens")
-
-
-RUN_MARKER = ".qurl-run"  # written into every run folder at creation: --overwrite deletes only folders that hold it
-
-
-def is_qurl_run(d: Path) -> bool:
-    """A folder qurl created: it holds the marker (or, for runs made before the marker, args.json + metrics.jsonl)."""
-    return (d / RUN_MARKER).is_file() or ((d / "args.json").is_file() and (d / "metrics.jsonl").is_file())
-
-
-def check_run_dir(args: Args) -> Path:
-    """The run folder after every check, with no side effect: nothing is created or deleted here, so a run that
-    fails on bad input later in set-up has not yet destroyed anything."""
-    d = Path(args.resume or Path(args.out_dir) / (args.run_name or f"{args.quant}-{args.loss}-s{args.seed}"))
-    if args.resume:
-        if not (d / "ckpt" / "state.pt").is_file() and not (d / "ckpt.old" / "state.pt").is_file():
-            raise QurlError(f"--resume {d}: no checkpoint there (expected {d}/ckpt/state.pt)")
-        return d
-    if d.exists() and not d.is_dir():
-        raise QurlError(f"run folder {d} is a file, not a folder: choose another --run-name or --out-dir")
-    if d.is_dir() and any(d.iterdir()) and not args.overwrite:
-        raise QurlError(f"run folder {d} already exists: pass --resume {d} to continue it, --overwrite to replace "
-                        f"it, or --run-name NAME")
-    if d.is_dir() and any(d.iterdir()) and not is_qurl_run(d):
-        held = sorted(path.name for path in d.iterdir())
-        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
-        raise QurlError(f"--overwrite: {d} is not a qurl run folder (it holds {shown}; no {RUN_MARKER}), so qurl "
-                        f"will not delete it: choose another --run-name or --out-dir")
-    parent = next(path for path in [d, *d.parents] if path.exists())
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise QurlError(f"cannot write to {d} ({parent} is not a writable folder); choose another --out-dir")
-    return d
-
-
-def make_run_dir(d: Path) -> None:
-    """Create the run folder (replacing an old qurl run under --overwrite, which check_run_dir allowed) and mark it."""
-    if d.is_dir() and any(d.iterdir()):
-        assert is_qurl_run(d), d  # check_run_dir refused anything else
-        shutil.rmtree(d)
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        (d / RUN_MARKER).write_text("a qurl run folder: qurl --overwrite may delete it\n")
-    except OSError as e:
-        raise QurlError(f"cannot write to {d} ({e.strerror}); choose another --out-dir") from None
-
-
-def start_run(args: Args) -> tuple[Learner, RunState]:
-    """Everything before the first step: load and check the model, the data and the run folder; build the learner
-    (fp32 masters, invariant scaling, the KL reference, the rollout actor, AdamW); then create the run folder, or
-    resume it, and evaluate the start. Nothing is written or deleted before every check has passed."""
-    _tracker_module(args.track)  # a missing wandb/tensorboard package fails first
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    model, tok = load_model(args.model, device, torch.float32)  # fp32 master weights; forwards run in `dtype`
-    prepare_actor(model, args.grad_checkpointing)
-    train_set, test_set = load_data(args)
-    test_set = test_set[:args.eval_size] if args.eval_size else test_set
-    check_prompt_lengths(model, tok, train_set + test_set, args.max_new_tokens)
-    d = check_run_dir(args)
-    ckpt = load_checkpoint(d) if args.resume else None
-    if ckpt is not None and ckpt["model_id"] != _model_id(model):
-        raise QurlError(f"--resume {d}: checkpoint is of a different model ({ckpt['model_id']}) than "
-                        f"--model {args.model} ({_model_id(model)})")
-    s = args.invariant_scale if args.invariant_scale is not None else (1.0 if args.quant == "none" else 1.5)
-    if s != 1.0:
-        invariant_scale(model, s)
-    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if args.kl_coef > 0 else None  # the start
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-    actor = make_rollout_actor(model, args.quant, dtype, args.fp8_kernel)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    rl = Learner(model, opt, actor, tok, torch.Generator(device=device).manual_seed(args.seed), dtype, ref_model)
-    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.seed + 1)).tolist()
-    run = RunState(d, train_set, test_set, order, s)
-    if ckpt is not None:
-        resume_from(rl, run, ckpt)
-    else:
-        make_run_dir(d)  # every check has passed: only now may an old run be replaced
-        (d / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
-        (d / "metrics.jsonl").write_text("")
-    run.start_step, run.t_start = run.step, time.time()
-    if ckpt is None:
-        run.first_eval, run.first_pass = run_eval(rl, args, run)
-        at_k = f", pass@{args.eval_k} {run.first_pass:.3f}" if args.eval_k else ""
-        notice(f"step 0: eval/acc {run.first_eval:.3f}{at_k} on {len(test_set)} held-out problems")
-    run.last_eval, run.last_pass = run.first_eval, run.first_pass
-    return rl, run
-
-
 def checkpoint_state(rl: Learner, run: RunState, args: Args) -> dict:
-    """Everything a run resumes from, as one dict: weights, optimizer, the rollout actor's codes (so that the next
-    flip rate counts from them), position, random states, args and the start's evaluation."""
+    """Everything a run resumes from: weights, optimizer, the rollout actor's codes (the next flip rate counts from
+    them), position, random states, args and the start's evaluation."""
     quantized = any(isinstance(mod, QuantLinear) for mod in rl.actor.modules())
     return {"step": run.step, "data_pos": run.data_pos, "model": rl.model.state_dict(),
             "optimizer": rl.opt.state_dict(), "q_model": rl.actor.state_dict() if quantized else None,
             "rng_python": random.getstate(), "rng_torch": torch.get_rng_state(), "rng_sampler": rl.gen.get_state(),
             "args": dataclasses.asdict(args), "model_id": _model_id(rl.model), "first_eval": run.first_eval,
             "first_pass": run.first_pass, "skipped": run.skipped}
-
 
 def resume_from(rl: Learner, run: RunState, ckpt: dict) -> None:
     rl.opt.load_state_dict(ckpt["optimizer"])
@@ -1401,16 +1300,13 @@ def resume_from(rl: Learner, run: RunState, ckpt: dict) -> None:
         log.write_text("".join(l + "\n" for l in keep))
     notice(f"resumed {run.dir} at step {run.step}")
 
-
 def _model_id(model) -> dict:
     c = model.config
     return {"arch": type(model).__name__, "hidden": c.hidden_size, "layers": c.num_hidden_layers,
             "vocab": c.vocab_size, "params": sum(param.numel() for param in model.parameters())}
 
-
 def save_checkpoint(d: Path, state: dict) -> None:
-    """Atomic: write ckpt.tmp/, move ckpt/ to ckpt.old/, rename ckpt.tmp/ to ckpt/, delete ckpt.old/. A crash at any
-    point leaves a complete ckpt/ or ckpt.old/."""
+    """Atomic: ckpt.tmp/ is written, then renamed to ckpt/; a crash at any point leaves a complete ckpt/ or ckpt.old/."""
     tmp, cur, old = d / "ckpt.tmp", d / "ckpt", d / "ckpt.old"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -1421,13 +1317,11 @@ def save_checkpoint(d: Path, state: dict) -> None:
     tmp.rename(cur)
     shutil.rmtree(old, ignore_errors=True)
 
-
 def load_checkpoint(d: Path) -> dict:
     f = next((d / sub / "state.pt" for sub in ("ckpt", "ckpt.old") if (d / sub / "state.pt").is_file()), None)
     if f is None:
         raise QurlError(f"--resume {d}: no checkpoint there")
     return torch.load(f, map_location="cpu", weights_only=False)
-
 
 def print_progress(run: RunState, m: dict, args: Args) -> None:
     el = time.time() - run.t_start
@@ -1435,7 +1329,6 @@ def print_progress(run: RunState, m: dict, args: Args) -> None:
     ev = f"{run.last_eval:.3f}" if run.last_eval is not None else "-"
     print(f"step {run.step:4d}/{args.steps} reward {m['reward/mean']:.3f} eval {ev} kl {m['mismatch/kl']:.1e} "
           f"flip {m['quant/flip_rate']:.2%} tok/s {m['perf/rollout_tok_s']:.0f} [{el:.0f}s<{eta:.0f}s]", flush=True)
-
 
 def finish_run(rl: Learner, run: RunState, args: Args) -> dict:
     """final/ (a standard checkpoint), summary.json and the closing line."""
@@ -1452,7 +1345,6 @@ def finish_run(rl: Learner, run: RunState, args: Args) -> dict:
           f"of step time); run folder {run.dir}", flush=True)
     return summary
 
-
 def _tracker_module(kind: str | None):
     """The package --track needs, imported only when asked for; a missing one is a one-line error."""
     try:
@@ -1465,11 +1357,10 @@ def _tracker_module(kind: str | None):
     except ImportError:
         raise QurlError(f"--track {kind} needs the {kind} package: pip install {kind} (or drop --track)") from None
 
-
 @contextlib.contextmanager
 def tracking(args: Args, d: Path):
     """--track: a function that sends each metrics.jsonl row to wandb or tensorboard (else does nothing)."""
-    module = _tracker_module(args.track)
+    module, log, close = _tracker_module(args.track), (lambda m, step: None), (lambda: None)
     if args.track == "wandb":  # a resumed run continues the same wandb run: its id is kept in the run folder
         id_file = d / "wandb_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else module.util.generate_id()
@@ -1480,22 +1371,17 @@ def tracking(args: Args, d: Path):
     elif args.track == "tensorboard":
         writer = module(log_dir=str(d / "tensorboard"))
         log, close = lambda m, step: [writer.add_scalar(k, v, step) for k, v in m.items()], writer.close
-    else:
-        log, close = lambda m, step: None, lambda: None
     try:
         yield lambda m: log({k: v for k, v in m.items() if v is not None and k != "step"}, m["step"])
     finally:
         close()
 
-
 STOP: set = set()  # the signals received: non-empty once Ctrl-C or SIGTERM asked the loop to stop after this step
-
 
 @contextlib.contextmanager
 def stop_requests():
-    """Within this block Ctrl-C (SIGINT) and SIGTERM (how clusters and rented GPUs preempt a job) ask the loop to
-    finish the current step, write a checkpoint and exit; a second signal aborts at once. Signals can only be caught
-    in the main thread: elsewhere this is a no-op."""
+    """Within this block Ctrl-C and SIGTERM (how clusters and rented GPUs preempt a job) ask the loop to finish the
+    step, write a checkpoint and exit; a second signal aborts at once. Outside the main thread: a no-op."""
     import threading
     STOP.clear()
     sigs = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
@@ -1506,7 +1392,6 @@ def stop_requests():
         for sig, handler in old.items():
             signal.signal(sig, handler)
 
-
 def _request_stop(signum, frame):
     name = signal.Signals(signum).name
     if STOP:  # a second signal: stop now, without a checkpoint of this step
@@ -1516,7 +1401,60 @@ def _request_stop(signum, frame):
     notice(f"{name}: finishing this step, then writing a checkpoint (send it again to abort at once)")
 
 
-# ============================================ APPENDIX B: tools (benchmarks, dry run, plots) ==========================
+# ============================================ APPENDIX B: tools (memory estimate, dry run, benchmarks, plots) =========
+def estimate_memory(model, rows: int, prompt_len: int, new_tokens: int, micro_batch: int, grad_ckpt: bool,
+                    quant: str, dtype: torch.dtype, device_type: str = "cuda", kl: bool = False) -> dict:
+    """Estimated peak GiB of a training step's update and of its rollout, from the model's shapes (a meta-device
+    model will do). Held throughout: fp32 masters and AdamW's two moments (12 B per parameter), the rollout actor,
+    the KL reference. The update adds fp32 gradients, autocast's bf16 copies of the matmul weights, what one
+    micro-batch keeps for backward (per token and layer 36h + 8i bytes under bf16 autocast, 44h + 16i in fp32:
+    Qwen2's saved tensors, counted; one layer's worth with checkpointing) and ~16 B per response logit (the fp32
+    log-softmax input and its gradients). The rollout adds the KV cache and one decode step's logits."""
+    c = model.config
+    h, n_layers, inter, vocab = c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size
+    kv_dim = c.num_key_value_heads * (getattr(c, "head_dim", None) or h // c.num_attention_heads)
+    n_par = sum(param.numel() for param in model.parameters())
+    n_lin = sum(mod.weight.numel() for _, mod in decoder_linears(model))
+    bf16, b = dtype == torch.bfloat16, 2 if dtype == torch.bfloat16 else 4
+    actor = 2 * n_par * bf16 if quant == "none" else 4 * (n_par - n_lin) + n_lin * (
+        0.5 + 4 / NF4_BLOCK if quant == "nf4" else 1) + 4 * n_lin * (device_type == "cpu" and quant != "int8")
+    held = 12 * n_par + actor + 4 * n_par * kl
+    mb, T = min(micro_batch, rows), prompt_len + new_tokens
+    per_layer = 36 * h + 8 * inter if bf16 else 44 * h + 16 * inter
+    acts = mb * T * (8 * h + (n_layers * 4 * h + per_layer if grad_ckpt else n_layers * per_layer))
+    logits = 16 * mb * (new_tokens + 1) * vocab
+    train = held + 4 * n_par + 2 * (n_lin + vocab * h) * bf16 + acts + logits
+    rollout = held + rows * T * n_layers * 2 * kv_dim * b + rows * vocab * (b + 8)
+    return {k: v / 2**30 for k, v in dict(train=train, rollout=rollout, held=held, activations=acts,
+                                          logits=logits, actor=actor).items()}
+
+def dry_run(args: Args) -> None:
+    """The resolved config, the model's size, the data, one prompt and the estimated peak memory, without loading
+    the weights (a meta-device model built from the config)."""
+    device, dtype = resolve_device_dtype(args.dtype)
+    model, tok = load_model(args.model, weights=False)
+    train_set, test_set = load_data(args)
+    P = max(len(x) for x in tok([format_prompt(p["question"], tok) for p in train_set],
+                                add_special_tokens=False)["input_ids"])
+    rows = args.prompts_per_step * args.group_size
+    est = estimate_memory(model, rows, P, args.max_new_tokens, args.micro_batch, args.grad_checkpointing,
+                          args.quant, dtype, device.type, args.kl_coef > 0)
+    print(json.dumps(dataclasses.asdict(args), indent=1))
+    print(f"model {args.model}: {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
+          f"parameters; rollout actor ({args.quant}) {est['actor']:.2f} GiB")
+    print(f"estimated peak on {device.type} in {str(dtype)[6:]}: update {est['train']:.2f} GiB (held "
+          f"{est['held']:.2f}, activations {est['activations']:.2f}, logits {est['logits']:.2f}), rollout "
+          f"{est['rollout']:.2f} GiB; {rows} rows of {P} + {args.max_new_tokens} tokens, --micro-batch "
+          f"{args.micro_batch}{' with --grad-checkpointing' if args.grad_checkpointing else ''}")
+    print(f"problems: {len(train_set)} train, {len(test_set)} test")
+    print(f"one formatted prompt:\n{format_prompt(train_set[0]['question'], tok)}\n(gold: {train_set[0]['gold']})")
+
+def quant_bytes(q_model: nn.Module) -> tuple[int, int]:
+    """(bytes of weight codes + their scales (row scales, or NF4's block absmax), weights they replace)."""
+    qls = [mod for mod in q_model.modules() if isinstance(mod, QuantLinear)]
+    codes = sum(q.weight_q.numel() * q.weight_q.element_size() + q.weight_scale.numel() * 4 for q in qls)
+    return codes, sum(q.in_features * q.out_features for q in qls)
+
 # Published architectures (config.json of each hub model), built with random weights for throughput runs:
 # model_type, hidden, layers, heads, kv heads, intermediate, vocab, tied embeddings (+ head_dim where it differs).
 MODEL_CONFIGS = {
@@ -1526,49 +1464,38 @@ MODEL_CONFIGS = {
     "qwen3-0.6b": ("qwen3", 1024, 28, 16, 8, 3072, 151936, True, 128),
     "qwen2-h512-l8": ("qwen2", 512, 8, 8, 2, 2048, 151936, True),
 }
+BENCH_RUNS = 3  # timed repetitions of each measurement, after one warm-up; the median is reported
 
-
-def build_from_config(name: str, device, dtype, seed: int = 0):
+def _bench_model(args: Args, device):
+    """fp32 masters of --model, or of a published architecture with random weights (and the tiny tokenizer)."""
+    if not args.model_config:
+        return load_model(args.model, device, torch.float32)
     from transformers import AutoConfig, AutoModelForCausalLM
-    if name not in MODEL_CONFIGS:
-        raise QurlError(f"--model-config: unknown '{name}'; choose from {', '.join(MODEL_CONFIGS)}")
-    kind, h, n_layers, heads, kv, inter, vocab, tied, *head_dim = MODEL_CONFIGS[name]
+    kind, h, n_layers, heads, kv, inter, vocab, tied, *head_dim = MODEL_CONFIGS[args.model_config]
     cfg = AutoConfig.for_model(kind, hidden_size=h, num_hidden_layers=n_layers, num_attention_heads=heads,
                                num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
                                tie_word_embeddings=tied, max_position_embeddings=32768, rope_theta=1e6,
                                **({"head_dim": head_dim[0]} if head_dim else {}))
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device).eval()
+    torch.manual_seed(0)
+    with torch.device(device):  # initialized where it runs: a 7B model's random init on a CPU takes minutes
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return model, load_model(str(HERE / "data/tiny-qwen"))[1]
 
-
-def _bench_model(args: Args, device, dtype):
-    """The loaded --model, or a published architecture with random weights (and the tiny tokenizer)."""
-    if args.model_config:
-        return build_from_config(args.model_config, device, dtype), load_model(str(HERE / "data/tiny-qwen"))[1]
-    model, tok = load_model(args.model, device, dtype)
-    return model.eval(), tok
-
-
-def _timed(fn, runs: int, device) -> tuple[float, object]:
-    """Median seconds of `runs` calls of fn (after one warm-up call), and the last result."""
+def _timed(fn, device) -> tuple[float, object]:
+    """Median seconds of BENCH_RUNS calls of fn (after one warm-up call), and the last result."""
     times, out = [], None
-    for i in range(runs + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+    for i in range(BENCH_RUNS + 1):
+        _memory(device, sync=True)
         t = time.perf_counter()
         out = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        _memory(device, sync=True)
         times += [time.perf_counter() - t] if i else []
     return sorted(times)[len(times) // 2], out
 
-
 def _report(row: dict, device, out: str | None = None) -> dict:
-    """Name the device, add the peak GPU memory (on CUDA), print the row as key=value pairs, append it to `out`."""
+    """Name the device, print the row as key=value pairs, append it as a JSON line to `out`."""
     row = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}",
            **row}
-    if device.type == "cuda" and "peak_mem_gb" not in row:
-        row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
     print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -1576,187 +1503,92 @@ def _report(row: dict, device, out: str | None = None) -> dict:
             f.write(json.dumps(row) + "\n")
     return row
 
-
-def bench_rollout(args: Args, fmts: tuple[str, ...] | None = None) -> list[dict]:
-    """Rollout tokens/s of `sample` for each --bench-batch (median of --bench-runs). --bench-rollout: against
-    model.generate on the same prompts, at T = 1 and greedy. --bench-quant (fmts given): for each rollout precision,
-    EOS ignored, as a ratio to the unquantized model in the model dtype, with the share of the time spent in the
-    decoder linears."""
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
-    model, tok = _bench_model(args, device, dtype)
-    problems = load_problems(args.test_data, args.test_split, args.question_field, args.answer_field,
-                             args.data_config)
-    ignore_eos, rows, base = fmts is not None or args.model_config is not None, [], {}
-    for fmt in fmts or (args.quant,):
+def bench_rollout(args: Args) -> list[dict]:
+    """Rollout tokens/s of `sample` for each --bench-batch and every rollout precision, the actor in its training
+    configuration (built from fp32 masters, run under autocast), as a ratio to the unquantized actor; and of
+    transformers' model.generate on the unquantized actor, the same rows. EOS ignored: every row samples
+    --max-new-tokens tokens, as random weights would stop at random."""
+    device, dtype = resolve_device_dtype(args.dtype)
+    model, tok = _bench_model(args, device)
+    problems, rows, base = load_problems(args.test_data, "test", args.fields), [], {}
+    for fmt in ("none", "int8", "fp8", "nf4"):
         try:
-            actor = model if fmt == "none" else quantize_actor(model, fmt, args.fp8_kernel)
+            actor = make_rollout_actor(model, fmt, dtype)
         except QurlError as e:  # bitsandbytes missing: bench the other formats
             notice(f"bench: skipping {fmt} ({e})")
             continue
         for batch in (int(b) for b in args.bench_batch.split(",")):
-            n_prompts = batch if fmts else max(1, batch // args.group_size)  # --bench-rollout: groups of G samples
-            G = batch // n_prompts
-            prompts = [format_prompt(problems[i % len(problems)]["question"], tok) for i in range(n_prompts)]
-            for temp in (1.0,) if fmts else (1.0, 0.0):
-                gen = torch.Generator(device=device).manual_seed(args.seed)
-                run = lambda: sample(actor, tok, prompts, G, args.bench_len, temp, generator=gen,  # noqa: E731
-                                     ignore_eos=ignore_eos)
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
-                t, ro = _timed(run, args.bench_runs, device)
-                tok_s = float(ro.response_mask.sum()) / t
-                row = {"model": args.model_config or Path(args.model).name, "quant": fmt, "batch": len(prompts) * G,
-                       "len": args.bench_len, "temperature": temp, "tok_s": tok_s}
-                if fmts:
-                    base[batch] = base.get(batch, tok_s)  # "none" comes first: the unquantized baseline
-                    kernel = next((mod.kernel for mod in actor.modules() if isinstance(mod, QuantLinear)), "nn.Linear")
-                    row.update(ratio_to_unquantized=tok_s / base[batch],
-                               linear_share=_linear_share(actor, run, device) / t, kernel=kernel)
-                else:
-                    row.update(generate_tok_s=_generate_tok_s(actor, tok, prompts, G, temp, ignore_eos, args, device))
-                    row["ratio"] = tok_s / row["generate_tok_s"]
-                rows.append(_report(row, device, args.bench_out))
+            prompts = [format_prompt(problems[i % len(problems)]["question"], tok) for i in range(batch)]
+            gen, n = torch.Generator(device=device).manual_seed(args.seed), args.max_new_tokens
+            _memory(device, reset=True)
+            with autocast(device, dtype):
+                t, ro = _timed(lambda: sample(actor, tok, prompts, 1, n, generator=gen, ignore_eos=True), device)
+                base[batch] = base.get(batch, batch * n / t)  # "none" comes first: the unquantized baseline
+                row = {"model": args.model_config or Path(args.model).name, "quant": fmt, "dtype": str(dtype)[6:],
+                       "batch": batch, "len": n, "tok_s": batch * n / t, "ratio_to_unquantized": batch * n / t /
+                       base[batch], "peak_gib": _memory(device) / 2**30}
+                if fmt == "none":  # transformers' own loop on the same rows
+                    enc = tok(prompts, return_tensors="pt", padding=True).to(device)
+                    t_gen, _ = _timed(lambda: actor.generate(**enc, do_sample=True, top_k=0, max_new_tokens=n,
+                                                             min_new_tokens=n, pad_token_id=tok.pad_token_id), device)
+                    row["generate_tok_s"] = batch * n / t_gen
+            rows.append(_report(row, device, args.out))
         del actor
     return rows
 
-
-def _generate_tok_s(model, tok, prompts: list[str], G: int, temp: float, ignore_eos: bool, args: Args, device):
-    """Tokens/s of transformers' model.generate on the same rows (tokens up to and including the first stop)."""
-    enc = tok([prompt for prompt in prompts for _ in range(G)], return_tensors="pt", padding=True).to(device)
-    kw = dict(do_sample=temp > 0, max_new_tokens=args.bench_len, pad_token_id=tok.pad_token_id, top_k=0, top_p=1.0,
-              **({"temperature": temp} if temp > 0 else {}), **({"min_new_tokens": args.bench_len} if ignore_eos
-                                                                  else {}))
-    t, out = _timed(lambda: model.generate(**enc, **kw), args.bench_runs, device)
-    resp = out[:, enc["input_ids"].shape[1]:]
-    if ignore_eos:
-        return resp.numel() / t
-    is_stop = torch.isin(resp, torch.tensor(stop_token_ids(model, tok), device=resp.device))
-    return float(torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, resp.shape[1]).sum()) / t
-
-
-def _linear_share(actor, run, device) -> float:
-    """Seconds one rollout spends in its decoder linears: record the input shapes they see in one rollout, then time
-    those calls apart on random inputs (no hooks stay in the timed rollout, so it is not slowed)."""
-    shapes = []
-    hooks = [m.register_forward_hook(lambda mod, inp, out: shapes.append((mod, tuple(inp[0].shape))))
-             for _, m in decoder_linears(actor)]
-    with torch.no_grad():
-        run()
-    for h in hooks:
-        h.remove()
-    xs = {shape: torch.randn(shape, device=device, dtype=next(actor.parameters()).dtype) for _, shape in shapes}
-    with torch.no_grad():
-        return _timed(lambda: [mod(xs[shape]) for mod, shape in shapes], 1, device)[0]
-
-
-def _peak_reset(device) -> float:
-    """Start a peak-memory window; returns the bytes held now (CUDA: allocated tensors; CPU: resident memory)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return float(torch.cuda.memory_allocated())
-    Path("/proc/self/clear_refs").write_text("5")  # Linux: reset the resident-memory high-water mark (VmHWM)
-    return _proc_status_kb("VmRSS") * 1024.0
-
-
-def _peak_bytes(device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        return float(torch.cuda.max_memory_allocated())
-    return _proc_status_kb("VmHWM") * 1024.0
-
-
-def _proc_status_kb(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise QurlError("--bench-memory on CPU reads /proc/self/status (Linux); run it on Linux or on a GPU")
-
-
-def _bench_learner(args: Args, device, dtype) -> Learner:
-    """A learner at bench sizes: --model-config with random weights (fp32 masters), or --model."""
-    model, tok = _bench_model(args, device, torch.float32)
+def bench_train(args: Args) -> dict:
+    """Whole RL steps at the real sizes: a warm-up (it allocates AdamW's state), a rollout alone, then BENCH_RUNS
+    steps of train_step with --prompts-per-step x --group-size rows of --max-new-tokens tokens (EOS ignored: random
+    weights stop at random) and random 0/1 rewards. Reports the median seconds per step, rollout tokens/s, and the
+    peak memory of the rollout and of a whole step beside `estimate_memory`'s (CPU: resident memory above what the
+    process held before the model)."""
+    device, dtype = resolve_device_dtype(args.dtype)
+    base = _memory(device, reset=True)
+    model, tok = _bench_model(args, device)
     prepare_actor(model.train(), args.grad_checkpointing)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-7)
-    actor = make_rollout_actor(model, args.quant, dtype, args.fp8_kernel)
-    return Learner(model, opt, actor, tok, torch.Generator(device=device).manual_seed(args.seed), dtype)
-
-
-def bench_memory(args: Args) -> list[dict]:
-    """Peak memory of the update half of an RL step (logp_prox, then one optimizer step accumulated over
-    --micro-batch rows at a time) for each row count in --bench-batch, on random rollouts of 32 prompt and
-    --bench-len response tokens. `step_peak_mib` is the peak above what was held before the step (weights, optimizer
-    state): it should not grow with the rows. A warm-up step allocates the optimizer state first."""
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
-    rl = _bench_learner(args, device, dtype)
-    vocab, P, R = rl.model.config.vocab_size, 32, args.bench_len
-    rows_list = [int(b) for b in args.bench_batch.split(",")]
-    out = []
-    for i, rows in enumerate([rows_list[0]] + rows_list):   # the first is the warm-up
-        g = torch.Generator().manual_seed(i)
-        ids = torch.randint(3, vocab, (rows, P + R), generator=g).to(device)
-        am, mask = torch.ones_like(ids), torch.ones(rows, R, device=device)
-        behav = (-torch.rand(rows, R, generator=g) * 3).to(device)
-        adv = torch.randn(rows, generator=g).to(device)
-        held = _peak_reset(device)
-        t0 = time.perf_counter()
-        with autocast(device, dtype):
-            with torch.no_grad():
-                prox = token_logprobs(rl.model, ids, am, mask, args.temperature, args.micro_batch)
-            update(rl, args, ids, am, mask, behav, adv, prox)
-        peak = _peak_bytes(device)
-        if i:
-            out.append(_report({"model": args.model_config or Path(args.model).name, "rows": rows, "len": R,
-                                "micro_batch": args.micro_batch, "grad_ckpt": args.grad_checkpointing,
-                                "dtype": str(dtype)[6:], "step_s": time.perf_counter() - t0,
-                                "step_peak_mib": (peak - held) / 2**20, "peak_mib": peak / 2**20},
-                               device, args.bench_out))
-    return out
-
-
-def bench_train(args: Args) -> list[dict]:
-    """Whole RL steps at the real sizes: one warm-up, then --bench-runs steps of train_step with --prompts-per-step x
-    --group-size rows of --max-new-tokens (EOS ignored: random weights would stop at random) and random 0/1 rewards.
-    Reports the median seconds per step, rollout tokens/s and the peak memory over the steps."""
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
-    rl = _bench_learner(args, device, dtype)
-    problems = load_problems(args.test_data)[:args.prompts_per_step]
+    rl = Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-7), make_rollout_actor(model, args.quant, dtype),
+                 tok, torch.Generator(device=device).manual_seed(args.seed), dtype)
+    problems = load_problems(args.test_data, "test", args.fields)[:args.prompts_per_step]
+    prompts = [format_prompt(p["question"], tok) for p in problems]
     coin = random.Random(args.seed)
-    times, tok_s, held = [], [], 0.0
-    for step in range(args.bench_runs + 1):
-        if step == 1:  # after the warm-up
-            held = _peak_reset(device)
-        m, _ = train_step(rl, args, problems, step, reward_fn=lambda text, gold: float(coin.random() < 0.5),
-                          ignore_eos=True)
-        times += [m["perf/step_s"]] if step else []
-        tok_s += [m["perf/rollout_tok_s"]] if step else []
-    peak = _peak_bytes(device)
-    return [_report({"model": args.model_config or Path(args.model).name, "quant": args.quant,
-                     "rows": args.prompts_per_step * args.group_size, "new_tokens": args.max_new_tokens,
-                     "micro_batch": args.micro_batch, "dtype": str(dtype)[6:], "steps": args.bench_runs,
-                     "step_s": sorted(times)[len(times) // 2], "tok_s": sorted(tok_s)[len(tok_s) // 2],
-                     "peak_mem_gb": peak / 2**30, "step_peak_gb": (peak - held) / 2**30}, device, args.bench_out)]
+    times, tok_s = [], []
+    for step in range(BENCH_RUNS + 1):
+        if step == 1:
+            _memory(device, reset=True)
+            with autocast(device, dtype):
+                sample(rl.actor, tok, prompts, args.group_size, args.max_new_tokens, generator=rl.gen, ignore_eos=True)
+            roll_peak = _memory(device) - base
+            _memory(device, reset=True)
+        m, _ = train_step(rl, args, problems, step, lambda text, gold: float(coin.random() < 0.5), ignore_eos=True)
+        times, tok_s = times + [m["perf/step_s"]] * (step > 0), tok_s + [m["perf/rollout_tok_s"]] * (step > 0)
+    step_peak = _memory(device) - base
+    P = max(len(x) for x in tok(prompts, add_special_tokens=False)["input_ids"])
+    est = estimate_memory(model, len(prompts) * args.group_size, P, args.max_new_tokens, args.micro_batch,
+                          args.grad_checkpointing, args.quant, dtype, device.type)
+    return _report({"model": args.model_config or Path(args.model).name, "quant": args.quant, "dtype": str(dtype)[6:],
+                    "rows": len(prompts) * args.group_size, "prompt_len": P, "new_tokens": args.max_new_tokens,
+                    "micro_batch": args.micro_batch, "grad_ckpt": args.grad_checkpointing,
+                    "step_s": sorted(times)[len(times) // 2], "tok_s": sorted(tok_s)[len(tok_s) // 2],
+                    "rollout_peak_gib": roll_peak / 2**30, "rollout_est_gib": est["rollout"],
+                    "step_peak_gib": step_peak / 2**30, "step_est_gib": max(est["train"], est["rollout"])},
+                   device, args.out)
 
+def _memory(device, reset: bool = False, sync: bool = False) -> float:
+    """Peak bytes since the last reset (CUDA: allocated tensors; CPU: resident memory, Linux); reset=True starts a
+    new window and returns the bytes held now; sync=True only waits for the GPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        if reset:
+            torch.cuda.reset_peak_memory_stats()
+        return float(torch.cuda.memory_allocated() if reset else torch.cuda.max_memory_allocated())
+    if sync:
+        return 0.0
+    if reset:
+        Path("/proc/self/clear_refs").write_text("5")  # resets the resident-memory high-water mark (VmHWM)
+    status = dict(l.split(":", 1) for l in Path("/proc/self/status").read_text().splitlines() if ":" in l)
+    return float(status["VmRSS" if reset else "VmHWM"].split()[0]) * 1024
 
-def dry_run(args: Args) -> None:
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
-    model, tok = load_model(args.model, device, dtype)
-    train_set, test_set = load_data(args)
-    n_params, dtype_name = sum(param.numel() for param in model.parameters()), str(dtype).replace("torch.", "")
-    print(json.dumps(dataclasses.asdict(args), indent=1))
-    print(f"device {device}, dtype {dtype_name}")
-    print(f"model {args.model}: {type(model).__name__}, {n_params / 1e6:.2f}M parameters, "
-          f"{n_params * torch.finfo(dtype).bits // 8 / 2**20:.1f} MiB in {dtype_name}")
-    if args.quant != "none":
-        qb, qn = quant_bytes(quantize_actor(model, args.quant, args.fp8_kernel))
-        print(f"quantized actor ({args.quant}): {qn / 1e6:.2f}M weights in decoder linears -> {qb / 2**20:.2f} MiB "
-              f"(codes + scales, {qb / qn:.3f} B/weight; bf16 would be {2 * qn / 2**20:.2f} MiB)")
-    print(f"problems: {len(train_set)} train, {len(test_set)} test")
-    print(f"one formatted prompt:\n{format_prompt(train_set[0]['question'], tok)}\n(gold: {train_set[0]['gold']})")
-
-
-def plot_runs(run_dirs: list[str], out: str) -> None:
+def plot_runs(run_dirs: list[str], out: str | None = None) -> None:
     """Reward, eval accuracy, mismatch KL, sampled-token entropy, clip fraction and flip rate per step for several
     runs, one figure (per-step series smoothed by a running mean over 1/25 of the run)."""
     try:
@@ -1791,13 +1623,12 @@ def plot_runs(run_dirs: list[str], out: str) -> None:
     axes.flat[2].set_yscale("log")
     axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
+    out = out or "assets/runs.png"
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=80)
     print(f"wrote {out}")
 
-
 _format_warning = warnings.formatwarning
-
 
 def main(argv=None) -> None:
     # the method warns with warnings.warn (copyable, filterable); the command line prints them as its other notices
@@ -1809,17 +1640,12 @@ def main(argv=None) -> None:
             plot_runs(args.plot, args.out)
         elif args.dry_run:
             dry_run(args)
-        elif args.bench_quant or args.bench_rollout:
-            bench_rollout(args, ("none", "int8", "fp8", "nf4") if args.bench_quant else None)
-        elif args.bench_memory:
-            bench_memory(args)
-        elif args.bench_train:
-            bench_train(args)
+        elif args.bench:
+            (bench_train if args.bench == "train" else bench_rollout)(args)
         else:
             train(args)
     except QurlError as e:
         _die(str(e))
-
 
 if __name__ == "__main__":
     main()
