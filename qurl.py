@@ -993,25 +993,18 @@ def _as_number(text: str) -> Fraction | None:
 def load_problems(spec: str, split: str = "train", fields: str = "question,answer") -> list[dict]:
     """[{"question", "gold"}] from a .jsonl (read line by line: an error names the line), .json or .parquet file, or
     a hub data set NAME[:CONFIG][@SPLIT]; the gold answer is `extract_answer` of the answer field."""
-    path, (question_field, answer_field) = Path(spec), fields.split(",")
-    if not (path.suffix in (".jsonl", ".json", ".parquet") or path.exists() or spec.startswith((".", "/"))):
-        rows = _load_hub_rows(spec, split)
-    elif not path.is_file():
+    path, (question_field, answer_field), rows = Path(spec), fields.split(","), []
+    hub = not (path.suffix in (".jsonl", ".json", ".parquet") or path.exists() or spec.startswith((".", "/")))
+    if not hub and not path.is_file():
         raise QurlError(f"data file not found: {spec}")
-    elif path.suffix == ".jsonl":
-        rows = []
+    if path.suffix == ".jsonl" and not hub:
         for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             try:
                 rows += [(f"{spec}:{i}", json.loads(line))] if line.strip() else []
             except json.JSONDecodeError as e:
                 raise QurlError(f"{spec}:{i}: malformed JSON line ({e.msg}); fix or delete that line") from None
-    elif path.suffix in (".json", ".parquet"):
-        try:
-            ds = _datasets().load_dataset(path.suffix[1:], data_files=str(path), split="train")
-        except Exception as e:
-            raise QurlError(f"{spec}: cannot be read as {path.suffix[1:]} ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:200]})") from None
-        rows = [(f"{spec} row {i + 1}", r) for i, r in enumerate(ds)]
+    elif path.suffix in (".json", ".parquet") or hub:
+        rows = _load_with_datasets(spec, split, hub)
     else:
         raise QurlError(f"{spec}: unknown data format '{path.suffix}'; use .jsonl, .json or .parquet")
     problems = []
@@ -1033,27 +1026,25 @@ def load_data(args: Args) -> tuple[list[dict], list[dict]]:
     """(training problems, held-out problems) from the files or hub data sets the flags name."""
     return load_problems(args.train_data, "train", args.fields), load_problems(args.test_data, "test", args.fields)
 
-def _datasets():
-    """`datasets` without progress bars or its own error log lines: qurl reports a failure in one line."""
+def _load_with_datasets(spec: str, split: str, hub: bool) -> list[tuple[str, dict]]:
+    """Rows of a .json/.parquet file, or of hub data set NAME[:CONFIG][@SPLIT] (openai/gsm8k's config: 'main'),
+    through `datasets`, its progress bars and error log lines silenced: a failure is one line."""
     import datasets
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    return datasets
-
-def _load_hub_rows(spec: str, split: str):
-    """Rows of hub data set NAME[:CONFIG][@SPLIT] (openai/gsm8k's config defaults to 'main')."""
-    spec, _, split = spec.partition("@") if "@" in spec else (spec, "", split)
-    name, _, config = spec.partition(":")
+    name, _, split = spec.partition("@") if "@" in spec else (spec, "", split)
+    name, _, config = name.partition(":") if hub else (name, "", "")
     try:
-        ds = _datasets().load_dataset(name, config or ("main" if name.endswith("gsm8k") else None), split=split)
+        ds = (datasets.load_dataset(name, config or ("main" if name.endswith("gsm8k") else None), split=split) if hub
+              else datasets.load_dataset(Path(spec).suffix[1:], data_files=spec, split="train"))
     except Exception as e:
-        text = f"{type(e).__name__}: {e}"
-        if any(word in text for word in ("Offline", "offline", "resolve", "Connection")):
+        text = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if hub and any(word in text for word in ("Offline", "offline", "resolve", "Connection")):
             raise QurlError(f"cannot load hub data set '{name}': no network (offline); pass a local "
                             f".jsonl/.json/.parquet file, e.g. data/arith_train.jsonl") from None
-        raise QurlError(f"cannot load data set '{name}' (not a local file either): {text.splitlines()[0][:200]}") \
-            from None
-    return [(f"{name}[{split}] row {i + 1}", r) for i, r in enumerate(ds)]
+        raise QurlError(f"{spec}: cannot be read as {Path(spec).suffix[1:]} ({text})" if not hub else
+                        f"cannot load data set '{name}' (not a local file either): {text}") from None
+    return [(f"{name}[{split}] row {i + 1}" if hub else f"{spec} row {i + 1}", r) for i, r in enumerate(ds)]
 
 def resolve_device_dtype(dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
     """CUDA when torch sees it (CUDA_VISIBLE_DEVICES= forces the CPU); the compute dtype: bf16 on CUDA, else fp32."""
@@ -1306,7 +1297,7 @@ def _model_id(model) -> dict:
             "vocab": c.vocab_size, "params": sum(param.numel() for param in model.parameters())}
 
 def save_checkpoint(d: Path, state: dict) -> None:
-    """Atomic: ckpt.tmp/ is written, then renamed to ckpt/; a crash at any point leaves a complete ckpt/ or ckpt.old/."""
+    """Atomic: ckpt.tmp/ is written, then renamed to ckpt/; a crash at any point leaves a whole ckpt/ or ckpt.old/."""
     tmp, cur, old = d / "ckpt.tmp", d / "ckpt", d / "ckpt.old"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -1597,36 +1588,30 @@ def plot_runs(run_dirs: list[str], out: str | None = None) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise QurlError("--plot needs matplotlib: pip install matplotlib") from None
-    panels = [("reward/mean", "reward (train)"), ("eval/acc", "held-out accuracy (greedy)"),
-              ("mismatch/kl", "mismatch KL(pi_behav||pi_prox)"), ("rollout/entropy", "entropy (sampled tokens)"),
-              ("clip/low", "clip/low (gradient zeroed)"), ("quant/flip_rate", "quant flip rate")]
+    panels = {"reward/mean": "reward (train)", "eval/acc": "held-out accuracy (greedy)", "mismatch/kl":
+              "mismatch KL(pi_behav||pi_prox)", "rollout/entropy": "entropy (sampled tokens)", "clip/low":
+              "clip/low (gradient zeroed)", "quant/flip_rate": "quant flip rate"}
     fig, axes = plt.subplots(2, 3, figsize=(16, 7.2))
     for rd in run_dirs:
         f, summary = Path(rd) / "metrics.jsonl", Path(rd) / "summary.json"
         if not f.is_file():
             raise QurlError(f"--plot: {f} not found (is {rd} a run folder?)")
         rows = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
-        start = json.loads(summary.read_text()).get("start_eval_acc") if summary.is_file() else None
-        for ax, (key, title) in zip(axes.flat, panels):
-            pts = [(row["step"], max(row[key], 1e-12) if key == "mismatch/kl" else row[key])  # log axis: a 0 at 1e-12
-                   for row in rows if row.get(key) is not None]
-            if key == "eval/acc" and start is not None:  # the warm start, evaluated before step 1
-                pts = [(0, start)] + pts
-            if key != "eval/acc" and len(pts) > 20:  # smooth the noisy per-step series
-                win = max(1, len(pts) // 25)
-                pts = [(pts[i][0], sum(v for _, v in pts[max(0, i - win):i + 1]) / len(pts[max(0, i - win):i + 1]))
-                       for i in range(len(pts))]
+        start = json.loads(summary.read_text()).get("start_eval_acc") if summary.is_file() else None  # the warm start
+        for ax, (key, title) in zip(axes.flat, panels.items()):
+            pts = [(0, start)] if key == "eval/acc" and start is not None else []
+            pts += [(row["step"], max(row[key], 1e-12)) for row in rows if row.get(key) is not None]  # log axis
+            win = max(1, len(pts) // 25) if key != "eval/acc" and len(pts) > 20 else 0  # smooth per-step series
+            pts = [(x, sum(v for _, v in pts[max(0, i - win):i + 1]) / len(pts[max(0, i - win):i + 1]))
+                   for i, (x, _) in enumerate(pts)]
             if pts:
                 ax.plot(*zip(*pts), label=Path(rd).name, marker="o" if key == "eval/acc" else None, markersize=3)
-            ax.set_title(title)
-            ax.set_xlabel("step")
-    axes.flat[2].set_yscale("log")
+            ax.set(title=title, xlabel="step", yscale="log" if key == "mismatch/kl" else "linear")
     axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
-    out = out or "assets/runs.png"
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=80)
-    print(f"wrote {out}")
+    Path(out or "assets/runs.png").parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out or "assets/runs.png", dpi=80)
+    print(f"wrote {out or 'assets/runs.png'}")
 
 _format_warning = warnings.formatwarning
 
