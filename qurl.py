@@ -1432,10 +1432,10 @@ def dry_run(args: Args) -> None:
                           args.quant, dtype, device.type, args.kl_coef > 0)
     print(json.dumps(dataclasses.asdict(args), indent=1))
     print(f"model {args.model}: {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
-          f"parameters; rollout actor ({args.quant}) {est['actor']:.2f} GiB")
-    print(f"estimated peak on {device.type} in {str(dtype)[6:]}: update {est['train']:.2f} GiB (held "
-          f"{est['held']:.2f}, activations {est['activations']:.2f}, logits {est['logits']:.2f}), rollout "
-          f"{est['rollout']:.2f} GiB; {rows} rows of {P} + {args.max_new_tokens} tokens, --micro-batch "
+          f"parameters; rollout actor ({args.quant}) {est['actor']:.3g} GiB")
+    print(f"estimated peak on {device.type} in {str(dtype)[6:]}: update {est['train']:.3g} GiB (held "
+          f"{est['held']:.3g}, activations {est['activations']:.3g}, logits {est['logits']:.3g}), rollout "
+          f"{est['rollout']:.3g} GiB; {rows} rows of {P} + {args.max_new_tokens} tokens, --micro-batch "
           f"{args.micro_batch}{' with --grad-checkpointing' if args.grad_checkpointing else ''}")
     print(f"problems: {len(train_set)} train, {len(test_set)} test")
     print(f"one formatted prompt:\n{format_prompt(train_set[0]['question'], tok)}\n(gold: {train_set[0]['gold']})")
