@@ -1491,10 +1491,10 @@ def test_plot_writes_png(tmp_path):
 # ======================================================================================================================
 # The file itself: copyable method functions, metric names in one place
 # ======================================================================================================================
-COPYABLE = ["masked_mean", "k3", "group_advantages", "policy_loss", "kl_penalty", "mismatch_metrics", "quantize_fp8",
-            "quantize_int8", "quantize_nf4", "quantize", "dequantize", "w8a8_matmul", "QuantLinear", "fake_quant",
-            "aligned_linear", "rollout_aligned", "sync_weights", "quantize_actor", "invariant_scale", "sample",
-            "token_logprobs"]
+COPYABLE = ["masked_mean", "k3", "group_advantages", "token_loss", "tbpo_loss", "policy_loss", "kl_penalty",
+            "mismatch_metrics", "int8_shift", "quantize_fp8", "quantize_int8", "quantize_nf4", "quantize", "dequantize",
+            "w8a8_matmul", "QuantLinear", "fake_quant", "aligned_linear", "rollout_aligned", "sync_weights",
+            "quantize_actor", "invariant_scale", "sample", "token_logprobs"]
 
 
 def test_method_functions_need_at_most_three_other_module_names():
@@ -1559,3 +1559,17 @@ def test_cuda_two_step_rl(tmp_path, quant):
     qurl.train(_small_args(tmp_path, run_name="c", quant=quant))
     rows = [json.loads(l) for l in (tmp_path / "c/metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(v is None or math.isfinite(v) for r in rows for v in r.values())
+
+
+@CUDA
+@pytest.mark.parametrize("autocast", [False, True])
+def test_cuda_nf4_dequantizes_into_the_compute_dtype(autocast):
+    """On CUDA bitsandbytes dequantizes NF4 per call, straight into the compute dtype: bf16 out, with and without
+    autocast, equal to the CPU layer (fp32 dequantized weights) to bf16 rounding."""
+    lin, x = _realistic_linear()
+    ref = qurl.QuantLinear(lin, "nf4")(x)
+    q = qurl.QuantLinear(lin.cuda(), "nf4")
+    x_c = x.cuda() if autocast else x.cuda().to(torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        y = q(x_c)
+    assert y.dtype == torch.bfloat16 and _rel_err(y.float().cpu(), ref) < 0.02
