@@ -40,7 +40,6 @@ Where qurl departs from the papers, and why:
 Run (CPU, the embedded tiny model; the README gives the timings and what to expect):
     python qurl.py --quant fp8
     python qurl.py --quant fp8 --dry-run          # config, data, one prompt, estimated memory; then exit
-    python qurl.py --bench rollout                # tokens/s of each rollout precision and of model.generate
 Run (one GPU, a real Qwen on GSM8K; `bash .ci/gpu` is the prepared GPU check):
     python qurl.py --model Qwen/Qwen2.5-0.5B-Instruct --train-data openai/gsm8k --test-data openai/gsm8k \\
         --quant fp8 --max-new-tokens 512 --prompts-per-step 32 --group-size 8 --lr 1e-6 --steps 200
@@ -74,11 +73,9 @@ def arg(default, help: str, **kw):
 
 @dataclass
 class Args:
-    model: str = arg("data/tiny-qwen", "model folder or hub name (e.g. Qwen/Qwen2.5-0.5B-Instruct)",
-                     group="model and data")
-    train_data: str = arg("data/arith_train.jsonl", "training problems: a .jsonl/.json/.parquet file or a hub data "
-                                                    "set NAME[:CONFIG][@SPLIT] (split: train)")
-    test_data: str = arg("data/arith_test.jsonl", "held-out problems, the same way (split: test)")
+    model: str = arg("data/tiny-qwen", "model folder or hub name (Qwen/Qwen2.5-0.5B-Instruct)", group="model and data")
+    train_data: str = arg("data/arith_train.jsonl", "problems: .jsonl/.json/.parquet or hub NAME[:CONFIG][@SPLIT]")
+    test_data: str = arg("data/arith_test.jsonl", "held-out problems, the same way (hub split: test by default)")
     fields: str = arg("question,answer", "the fields holding a problem and its gold answer ('#### 42', '\\boxed{42}')")
     quant: str = arg("fp8", "rollout actor precision: W8A8 int8/fp8, W4A16 nf4", choices=["none", "int8", "fp8", "nf4"],
                      group="quantized rollout")
@@ -94,14 +91,13 @@ class Args:
     steps: int = arg(900, "RL steps (one rollout batch and its updates per step)", group="the RL loop")
     prompts_per_step: int = arg(16, "distinct problems per step")
     group_size: int = arg(8, "samples per problem (GRPO group)")
-    max_new_tokens: int = arg(32, "response length limit (also the length --bench samples)")
+    max_new_tokens: int = arg(32, "response length limit")
     temperature: float = arg(1.0, "sampling temperature; log-probs on both sides use logits / T")
     lr: float = arg(1e-4, "AdamW learning rate", group="optimisation")
     lr_schedule: str = arg("cosine", "constant, or cosine decay to 0 at --steps", choices=["constant", "cosine"])
     ppo_epochs: int = arg(1, "passes over each rollout batch")
     mini_batches: int = arg(1, "optimizer steps per pass (the batch is split into this many mini-batches)")
-    micro_batch: int = arg(64, "rows per forward and backward (gradient accumulation): sets memory, not the math",
-                           group="memory (not the math)")
+    micro_batch: int = arg(64, "rows per forward and backward (gradient accumulation)", group="memory (not the math)")
     grad_checkpointing: bool = arg(False, "recompute activations in backward: less memory, about 1/3 more compute")
     eval_every: int = arg(100, "evaluate the fp actor (greedy) every N steps, and at the end", group="evaluation")
     eval_size: int = arg(500, "held-out problems per evaluation (0: all)")
@@ -112,19 +108,10 @@ class Args:
     run_name: str | None = arg(None, "run folder name (default: <quant>-<loss>-s<seed>, numbered if it exists)")
     resume: str | None = arg(None, "continue the run in this folder from its checkpoint")
     overwrite: bool = arg(False, "replace an existing run folder (only one qurl created)")
-    track: str | None = arg(None, "also log the metrics to wandb or tensorboard (installed separately)",
-                            choices=["wandb", "tensorboard"])
-    dry_run: bool = arg(False, "print the config, data, one prompt and the estimated peak memory, then exit",
-                        group="tools instead of training")
+    track: str | None = arg(None, "also log the metrics to wandb or tensorboard", choices=["wandb", "tensorboard"])
+    dry_run: bool = arg(False, "print config, data, a prompt and estimated memory", group="tools instead of training")
     plot: list[str] | None = arg(None, "draw these run folders' metrics into --out and exit", nargs="+")
-    bench: str | None = arg(None, "rollout: tokens/s of each rollout precision (and of model.generate); train: "
-                                  "seconds and peak memory per RL step, beside the estimate",
-                            choices=["rollout", "train"])
-    model_config: str | None = arg(None, "bench a published architecture with random weights instead of --model",
-                                   choices=["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b",
-                                            "qwen2-h512-l8"])
-    bench_batch: str = arg("128", "rows per --bench rollout batch, comma separated")
-    out: str | None = arg(None, "output: --plot's figure (default assets/runs.png), --bench's JSON lines")
+    out: str = arg("assets/runs.png", "output file of --plot")
 
 
 # ============================================ THE METHOD, 1: data format and reward (what the verifier checks) ========
@@ -209,9 +196,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, state, fmt: str) -> torch.T
 def w8a8_matmul(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, fmt: str, kernel: str,
                 w_deq: torch.Tensor | None = None) -> torch.Tensor:
     """y = Q(x2) @ Q(W)^T for (M, K) activations, quantized per token here, and (N, K) weight codes with per-row
-    scales: the sampler's kernel. Returns fp32 (rounded to fp16 for INT8 and to bf16 for CUDA FP8, as those kernels
-    return it). FP8 kernels: 'scaled_mm' (torch._scaled_mm; raises torch's error where torch refuses the call) or
-    'emulate', the same math anywhere; w_deq: the weights dequantized once (CPU emulation, faster there)."""
+    scales: the sampler's kernel, in fp32 (rounded to fp16 for INT8, bf16 for CUDA FP8, as those kernels return it).
+    FP8: kernel 'scaled_mm' (torch._scaled_mm) or 'emulate', the same math, on w_deq when given (CPU: faster)."""
     dev_type = x2.device.type   # the kernel fixes its own numerics: no autocast inside
     with torch.autocast(dev_type, enabled=False) if torch.is_autocast_enabled(dev_type) else contextlib.nullcontext():
         if fmt == "int8":
@@ -234,10 +220,9 @@ def w8a8_matmul(x2: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, fmt:
         return (x8.to(dt) @ w_q.to(dt).t()).float() * s_x * w_scale
 
 class QuantLinear(nn.Module):
-    """Drop-in for nn.Linear in the rollout actor, bias kept in full precision. fmt 'fp8' (e4m3) and 'int8'
-    (bitsandbytes LLM.int8, threshold 0) are W8A8: 8-bit weight codes with per-output-channel scales, activations
-    quantized per token on the fly. fmt 'nf4' is W4A16 (QaRL's precision class): 4-bit NF4 weight codes in blocks of
-    64, activations left in the compute dtype."""
+    """Drop-in for nn.Linear in the rollout actor, bias in full precision. 'fp8' (e4m3) and 'int8' (bitsandbytes
+    LLM.int8, threshold 0) are W8A8: 8-bit weight codes with per-output-channel scales, activations quantized per
+    token on the fly. 'nf4' is W4A16 (QaRL's class): NF4 weight codes in blocks of 64, activations left as they are."""
 
     def __init__(self, linear: nn.Linear, fmt: str, fp8_kernel: str = "auto"):
         super().__init__()
@@ -247,8 +232,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("weight_q", torch.empty(0, dtype=torch.uint8, device=weight.device))
         self.register_buffer("weight_scale", torch.empty(0, dtype=torch.float32, device=weight.device))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        # FP8 kernel: torch._scaled_mm where it runs (CUDA compute capability >= 8.9, or CPU on request, dims multiples
-        # of 16), else dequantize-and-matmul with the same numerics (CPU's default: faster there than _scaled_mm)
+        # FP8: torch._scaled_mm where it runs (CUDA >= 8.9, or CPU on request; dims multiples of 16), else the same math
         wanted = fp8_kernel == "scaled_mm" or (fp8_kernel == "auto" and weight.device.type == "cuda")
         runs = hasattr(torch, "_scaled_mm") and not (weight.shape[0] % 16 or weight.shape[1] % 16) and (
             weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device) >= (8, 9))
@@ -257,8 +241,7 @@ class QuantLinear(nn.Module):
             warnings.warn("FP8: torch._scaled_mm is unavailable here (it needs CPU or CUDA compute capability >= 8.9, "
                           "and dims that are multiples of 16); using dequantize-and-matmul, same numerics (slower)")
         self.nf4_state = None
-        # CPU keeps the dequantized weights (4 more bytes per weight, not counted by quant_bytes): CPU runs are
-        # demonstrations, and dequantizing at every call would cost more than the matmul.
+        # CPU keeps the dequantized weights (4 bytes per weight): dequantizing per call would cost more than the matmul
         self.register_buffer("weight_deq", None, persistent=False)
         self.load_weight(weight)
 
@@ -349,8 +332,8 @@ def invariant_scale(model: nn.Module, s: float) -> None:
     step shrinks by s while an Adam update keeps its size, so s times more updates survive re-quantization."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
-        raise QurlError(f"invariant_scale: {type(model).__name__} has no model.layers; it supports Qwen2, Qwen3 "
-                        f"and Llama-style decoders. Use --invariant-scale 1")
+        raise QurlError(f"invariant_scale: {type(model).__name__} has no model.layers (Qwen2, Qwen3, Llama do); use "
+                        f"--invariant-scale 1")
     groups = [(layer, norm, block, projs) for layer in layers for norm, block, projs in
               [("input_layernorm", getattr(layer, "self_attn", None), ("q_proj", "k_proj", "v_proj")),
                ("post_attention_layernorm", getattr(layer, "mlp", None), ("gate_proj", "up_proj"))]]
@@ -365,8 +348,7 @@ def invariant_scale(model: nn.Module, s: float) -> None:
             getattr(block, proj).weight.div_(s)  # W / s (bias unchanged: (W/s)(s x) + b = W x + b)
 
 def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Quantize-dequantize in the sampler's format (per row for fp8/int8, NF4 blocks of 64 for nf4 weights),
-    straight-through gradient: the value is quantized, the gradient is the identity."""
+    """Quantize-dequantize in the sampler's format, straight-through: the value quantized, the gradient the identity."""
     rows = x if fmt == "nf4" else x.reshape(-1, x.shape[-1])
     shift = int8_shift(rows) if fmt == "int8" else 1.0   # the sampler's overflow handling (w8a8_matmul), exactly
     deq = dequantize(*quantize(rows / shift, fmt), fmt) * shift
@@ -383,8 +365,7 @@ def aligned_linear(lin: nn.Linear, fmt: str, x: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def rollout_aligned(model: nn.Module | None, fmt: str | None):
-    """Within this block the model's decoder linears compute in the sampler's numerics (`aligned_linear`), with
-    straight-through gradients to the full-precision weights. fmt or model None: a no-op."""
+    """In this block the decoder linears compute in the sampler's numerics (`aligned_linear`); None: a no-op."""
     lins = [mod for _, mod in decoder_linears(model)] if fmt and model is not None else []
     for lin in lins:
         lin.forward = lambda x, lin=lin: aligned_linear(lin, fmt, x)
@@ -439,10 +420,9 @@ def _prefill(model, tokenizer, ids: torch.Tensor, am: torch.Tensor, max_new_toke
 @torch.no_grad()
 def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64, temperature: float = 1.0,
            generator: torch.Generator | None = None, ignore_eos: bool = False, drop_frac: float = 0.25) -> Rollout:
-    """n samples of each prompt, one token per step for the whole batch with a KV cache. Each distinct prompt is
-    prefilled once and its cache expanded to its n samples. Finished rows leave the batch (cache included) once at
-    least `drop_frac` of the live rows are done. Positions come from the cumulative attention mask, so left padding
-    does not shift RoPE."""
+    """n samples of each prompt, one token per step for the whole batch with a KV cache: each distinct prompt is
+    prefilled once and its cache expanded; rows leave the batch (cache included) once `drop_frac` of the live rows are
+    done. Positions come from the cumulative attention mask, so left padding does not shift RoPE."""
     device = next(model.parameters()).device
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False, padding_side="left")
     ids, am = enc["input_ids"].to(device), enc["attention_mask"].to(device)
@@ -500,9 +480,8 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 # ============================================ THE METHOD, 4: log-probs: teacher-forced, same temperature ==============
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
                    temperature: float = 1.0, micro_batch: int = 64) -> torch.Tensor:
-    """(B, R) log-probs of the response tokens (the last R columns) under log_softmax(logits / T), in micro-batches;
-    differentiable when called under grad. Only the R response positions go through lm_head, and no (.., vocab)
-    log-prob tensor is built: log p(token) = z[token] - logsumexp(z) with z = logits / T in fp32."""
+    """(B, R) log-probs of the last R tokens under log_softmax(logits / T), in micro-batches, differentiable under grad.
+    Only the R positions go through lm_head, and no (.., vocab) log-prob tensor is built: log p = z[tok] - lse(z)."""
     R = response_mask.shape[1]
     temp = temperature if temperature > 0 else 1.0  # greedy rollouts are scored at T = 1, as `sample` records them
     out = []
@@ -570,10 +549,9 @@ def token_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.Te
 def tbpo_loss(logp: torch.Tensor, logp_prox: torch.Tensor, logp_behav: torch.Tensor, adv: torch.Tensor,
               mask: torch.Tensor, is_cap: float = 2.0, band: tuple[float, float, float] = (3e-4, 4e-4, 7e-4),
               max_mismatch: float | None = None, denom: float | None = None) -> tuple[torch.Tensor, dict]:
-    """QaRL's Trust-Band Policy Optimization over (B, T) log-probs, adv (B,) and mask (B, T), at the sequence level.
-    s_i = exp(mean_t log pi_theta/pi_prox), w_i = min(exp(mean_t log pi_prox/pi_behav), C); A >= 0 is PPO-clipped
-    to [1 - LO, 1 + HI+], A < 0 held in the band [1 - LO, 1 + HI-]. Sequences out of their band (or with w_i outside
-    [1/M, M], M = max_mismatch) leave the loss and its denominator: a mean over the kept sequences, or over `denom`."""
+    """QaRL's Trust-Band Policy Optimization, at the sequence level, over (B, T) log-probs, adv (B,), mask (B, T).
+    A >= 0 is PPO-clipped to [1 - LO, 1 + HI+], A < 0 held in the band [1 - LO, 1 + HI-]; sequences out of their band
+    (or with w_i outside [1/M, M], M = max_mismatch) leave the loss and its denominator (kept ones, or `denom`)."""
     logp_prox, logp_behav, adv = logp_prox.detach(), logp_behav.detach(), adv.detach().to(logp.dtype)
     mask = mask.to(logp.dtype)
     lo, hi_pos, hi_neg = band
@@ -629,6 +607,8 @@ METRIC_KEYS = ["step", "reward/mean", "reward/zero_std_groups", "rollout/len_mea
                "quant/flip_rate", "guard/skipped", "opt/lr", "perf/rollout_tok_s", "perf/step_s", "perf/rollout_frac",
                "eval/acc", "eval/pass@k"]
 UPDATE_KEYS = [k for k in METRIC_KEYS if k.split("/")[0] in ("clip", "loss", "tbpo")]  # what `update` measures
+# gradient clipping; a progress line, a checkpoint (also on Ctrl-C/SIGTERM) every N steps; NaN guard; eval batch rows
+MAX_GRAD_NORM, LOG_EVERY, SAVE_EVERY, MAX_BAD_STEPS, EVAL_BATCH = 1.0, 10, 50, 3, 256
 
 @dataclass
 class Learner:
@@ -646,10 +626,9 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 def make_rollout_actor(model: nn.Module, quant: str, dtype: torch.dtype) -> nn.Module:
-    """The sampler's own copy of the actor, refreshed by `sync_weights` at every step: quantized decoder linears with
-    the rest a copy of the masters (run under the learner's autocast, so that the aligned forward reproduces it bit
-    for bit), or with --quant none a copy in the compute dtype, as a bf16 inference engine holds it. In fp32 with
-    --quant none it is the model itself: the two would be identical."""
+    """The sampler's own copy of the actor, refreshed by `sync_weights` every step: quantized decoder linears with the
+    rest a copy of the masters (run under the learner's autocast, so the aligned forward reproduces it bit for bit);
+    with --quant none a copy in the compute dtype, as a bf16 engine holds it (fp32: the model itself)."""
     if quant != "none":
         return quantize_actor(model, quant)
     if dtype == torch.float32:
@@ -660,9 +639,8 @@ def make_rollout_actor(model: nn.Module, quant: str, dtype: torch.dtype) -> nn.M
 
 def train_step(rl: Learner, args: Args, problems: list[dict], step: int, reward_fn=None,
                ignore_eos: bool = False) -> tuple[dict, float]:
-    """One RL step: sync -> rollout -> reward -> advantages -> logp_prox -> PPO epochs. Returns (metrics, rollout
-    seconds). Metrics that were not measured (no row to train, or not this loss's) are None. reward_fn(text, gold)
-    defaults to `reward`; ignore_eos (benchmarks) samples --max-new-tokens tokens in every row."""
+    """One RL step: sync -> rollout -> reward -> advantages -> logp_prox -> PPO epochs; returns (metrics, rollout
+    seconds), unmeasured metrics None. reward_fn defaults to `reward`; ignore_eos (benchmarks) fills every row."""
     t0, G = time.time(), args.group_size
     m = {"step": step, "quant/flip_rate": sync_weights(rl.actor, rl.model)}  # 1. re-quantize from the masters
     prompts = [format_prompt(p["question"], rl.tok) for p in problems]
@@ -707,12 +685,9 @@ def train_step(rl: Learner, args: Args, problems: list[dict], step: int, reward_
               "perf/rollout_frac": t_roll / max(dt, 1e-9)})
     return m, t_roll
 
-MAX_GRAD_NORM = 1.0  # gradient clipping
-
 def update(rl: Learner, args: Args, ids, am, mask, logp_behav, adv, logp_prox=None, logp_ref=None):
-    """--ppo-epochs passes over the rows, --mini-batches optimizer steps per pass. logp_prox None: one update per
-    rollout, where pi_prox is pi_theta's own value (detached). Returns (metrics averaged over the optimizer steps,
-    and with logp_prox None the pi_prox values it used, for the mismatch metrics)."""
+    """--ppo-epochs passes, --mini-batches optimizer steps each. logp_prox None (one update per rollout): pi_prox is
+    pi_theta's own detached value, returned for the mismatch metrics. Returns (metrics averaged over the steps, it)."""
     logs, prox_seen, skipped = [], [], 0
     params = [param for param in rl.model.parameters() if param.requires_grad]
     for _ in range(args.ppo_epochs if len(ids) else 0):
@@ -736,9 +711,8 @@ def update(rl: Learner, args: Args, ids, am, mask, logp_behav, adv, logp_prox=No
 
 def backward_mini_batch(rl: Learner, args: Args, ids, am, mask, logp_behav, adv, logp_prox, logp_ref,
                         prox_seen: list) -> tuple[dict, bool]:
-    """The gradient of one mini-batch's loss, accumulated over micro-batches of --micro-batch rows, each loss divided
-    by the whole mini-batch's denominator: memory is set by --micro-batch, the gradient is the single-pass one.
-    Returns (the mini-batch's metrics, whether every loss was finite)."""
+    """One mini-batch's gradient, accumulated over micro-batches of --micro-batch rows, each loss divided by the whole
+    mini-batch's denominator: the single-pass gradient at --micro-batch's memory. Returns (metrics, all finite)."""
     kw = dict(loss=args.loss, eps_low=args.eps_low, eps_high=args.eps_high, is_cap=args.is_cap,
               tbpo_eps=tuple(args.tbpo_band))
     micro = [slice(i, i + args.micro_batch) for i in range(0, len(ids), args.micro_batch)]
@@ -786,8 +760,6 @@ def lr_at(step: int, steps: int, lr: float, schedule: str) -> float:
 
 
 # ============================================ THE METHOD, 7: the training loop ========================================
-LOG_EVERY, SAVE_EVERY, MAX_BAD_STEPS = 10, 50, 3  # progress line, checkpoint (also on Ctrl-C/SIGTERM), NaN guard
-
 def train(args: Args) -> dict:
     """The RL loop: train_step after train_step, an evaluation every --eval-every steps, a checkpoint every
     SAVE_EVERY steps and on Ctrl-C or SIGTERM. Set-up, evaluation, checkpoints and the summary are Appendix A's."""
@@ -858,8 +830,7 @@ def parse_args(argv=None) -> Args:
             _die(f"--resume {args.resume}: no checkpoint there (not a run folder: {saved} is missing)")
         names = {f.name for f in dataclasses.fields(Args)}
         args = Args(**{**{k: v for k, v in json.loads(saved.read_text()).items() if k in names}, **typed})
-    msg = validate_args(args)
-    if msg:
+    if msg := validate_args(args):
         _die(msg)
     for line in flag_notices(args, set(typed)):
         notice(line)
@@ -871,7 +842,7 @@ def flag_notices(args: Args, typed: set[str]) -> list[str]:
               "tbpo": {"eps_low", "eps_high"}}[args.loss]
     out = [f"--{name.replace('_', '-')} does nothing with --loss {args.loss}" for name in sorted(unused & typed)]
     asked = typed & {"loss", "eps_low", "eps_high", "tbpo_band"}
-    if args.ppo_epochs * args.mini_batches == 1 and args.loss != "naive" and asked and not (args.bench or args.plot):
+    if args.ppo_epochs * args.mini_batches == 1 and args.loss != "naive" and asked and not args.plot:
         what = {"tis": "the PPO clip never binds", "acr": "the PPO clip never binds and ACR equals TIS bit for bit",
                 "tbpo": "no sequence leaves TBPO's band (s = 1)"}[args.loss]
         out.append(f"with one update per rollout (--ppo-epochs 1 --mini-batches 1) pi_theta = pi_prox at the update, "
@@ -880,15 +851,16 @@ def flag_notices(args: Args, typed: set[str]) -> list[str]:
 
 def validate_args(args: Args) -> str | None:
     """Return a one-line complaint about the first out-of-range value, or None."""
-    for least, names in ((1, ("prompts_per_step", "max_new_tokens", "ppo_epochs", "mini_batches", "micro_batch",
-                              "eval_every")), (0, ("temperature", "eps_high", "kl_coef", "steps", "eval_size", "eval_k"))):
+    at_least = {1: ("prompts_per_step", "max_new_tokens", "ppo_epochs", "mini_batches", "micro_batch", "eval_every"),
+                0: ("temperature", "eps_high", "kl_coef", "steps", "eval_size", "eval_k")}
+    for least, names in at_least.items():
         bad = next((name for name in names if getattr(args, name) < least), None)
         if bad:
             return f"--{bad.replace('_', '-')} must be >= {least}, got {getattr(args, bad)}"
     checks = [
         (args.group_size >= 2,
          f"--group-size must be >= 2 (a GRPO group needs two samples to compare), got {args.group_size}"),
-        (args.temperature > 0 or args.steps == 0 or args.dry_run or args.plot or args.bench == "rollout",
+        (args.temperature > 0 or args.steps == 0 or args.dry_run or args.plot,
          "--temperature 0 (greedy) cannot train: a greedy rollout has no distribution to compute a policy gradient "
          "of; use a temperature > 0 (1.0 is the default)"),
         (0 <= args.eps_low < 1, f"--eps-low must be in [0, 1), got {args.eps_low}"),
@@ -908,8 +880,6 @@ def validate_args(args: Args) -> str | None:
         (args.run_name is None or (args.run_name not in ("", ".", "..") and not set(args.run_name) & set("/\\")),
          f"--run-name must be one folder name inside --out-dir (not empty, no / or \\, not . or ..), "
          f"got {args.run_name!r}"),
-        (all(b.strip().isdigit() and int(b) > 0 for b in args.bench_batch.split(",")),
-         f"--bench-batch must be positive integers separated by commas, got '{args.bench_batch}'"),
     ]
     return next((msg for ok, msg in checks if not ok), None)
 
@@ -937,8 +907,7 @@ def _combine_micro(parts: list[tuple[dict, float, float]]) -> dict:
 
 def _require_bnb(fmt: str = "int8") -> None:
     try:
-        import bitsandbytes
-        version = bitsandbytes.__version__
+        from bitsandbytes import __version__ as version
     except ImportError:
         version = None
     if version is None or tuple(int(v) for v in version.split(".")[:2]) < (0, 46):
@@ -954,11 +923,8 @@ def _last_number(text: str) -> str | None:
 def _boxed(text: str) -> str | None:
     """Content of the last \\boxed{...}, braces balanced."""
     start = text.rfind("\\boxed")
-    i = text.find("{", start) if start >= 0 else -1
-    if i < 0:
-        return None
-    depth = 0
-    for j in range(i, len(text)):
+    i, depth = text.find("{", start) if start >= 0 else -1, 0
+    for j in range(i, len(text) if i >= 0 else i):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return text[i + 1:j]
@@ -1024,8 +990,7 @@ def load_data(args: Args) -> tuple[list[dict], list[dict]]:
     return load_problems(args.train_data, "train", args.fields), load_problems(args.test_data, "test", args.fields)
 
 def _load_with_datasets(spec: str, split: str, hub: bool) -> list[tuple[str, dict]]:
-    """Rows of a .json/.parquet file, or of hub data set NAME[:CONFIG][@SPLIT] (openai/gsm8k's config: 'main'),
-    through `datasets`, its progress bars and error log lines silenced: a failure is one line."""
+    """Rows of a .json/.parquet file or hub set NAME[:CONFIG][@SPLIT] through `datasets`, silenced (gsm8k: 'main')."""
     import datasets
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
@@ -1214,8 +1179,6 @@ def start_run(args: Args) -> tuple[Learner, RunState]:
     run.last_eval, run.last_pass = run.first_eval, run.first_pass
     return rl, run
 
-EVAL_BATCH = 256  # rows per evaluation batch
-
 def run_eval(rl: Learner, args: Args, run: RunState) -> tuple[float, float | None]:
     """Greedy held-out accuracy of the fp actor (and pass@k with --eval-k), in the learner's compute dtype."""
     rl.model.eval()
@@ -1226,8 +1189,7 @@ def run_eval(rl: Learner, args: Args, run: RunState) -> tuple[float, float | Non
     return res["acc"], res.get(f"pass@{args.eval_k}")
 
 @torch.no_grad()
-def evaluate(model, tokenizer, problems: list[dict], max_new_tokens: int = 32, batch_size: int = 256, k: int = 0,
-             seed: int = 0) -> dict:
+def evaluate(model, tokenizer, problems: list[dict], max_new_tokens=32, batch_size=256, k=0, seed=0) -> dict:
     """Greedy accuracy and mean response length (tokens) on held-out problems; with k > 0 also pass@k from k samples
     per problem at T = 1 (Chen et al. 2021's unbiased estimator, which for n = k samples is "any of them right")."""
     correct, length, solved = 0.0, 0.0, 0.0
@@ -1264,8 +1226,7 @@ def save_final(path: Path, model, tok, s: float) -> None:
     (path / "qurl.json").write_text(json.dumps({"invariant_scale_folded_back": s, "dtype": "float32"}) + "\n")
 
 def checkpoint_state(rl: Learner, run: RunState, args: Args) -> dict:
-    """Everything a run resumes from: weights, optimizer, the rollout actor's codes (the next flip rate counts from
-    them), position, random states, args and the start's evaluation."""
+    """What a run resumes from: weights, optimizer, the actor's codes (flips count from them), RNGs, position."""
     quantized = any(isinstance(mod, QuantLinear) for mod in rl.actor.modules())
     return {"step": run.step, "data_pos": run.data_pos, "model": rl.model.state_dict(),
             "optimizer": rl.opt.state_dict(), "q_model": rl.actor.state_dict() if quantized else None,
@@ -1319,14 +1280,14 @@ def print_progress(run: RunState, m: dict, args: Args) -> None:
           f"flip {m['quant/flip_rate']:.2%} tok/s {m['perf/rollout_tok_s']:.0f} [{el:.0f}s<{eta:.0f}s]", flush=True)
 
 def finish_run(rl: Learner, run: RunState, args: Args) -> dict:
-    """final/ (a standard checkpoint), summary.json and the closing line."""
+    """final/ (a standard checkpoint), summary.json (torch's thread count too: a seed replays a run only with it)."""
     save_final(run.dir / "final", rl.model, rl.tok, run.s)
     wall = time.time() - run.t_start
     summary = {"start_eval_acc": run.first_eval, "final_eval_acc": run.last_eval, "wall_s": round(wall, 1),
                "rollout_frac": run.rollout_s / max(run.step_s, 1e-9), "steps": args.steps,
                "skipped_updates": run.skipped, "invariant_scale": run.s, "eval_k": args.eval_k,
                "start_pass_at_k": run.first_pass, "final_pass_at_k": run.last_pass,
-               "torch_threads": torch.get_num_threads()}  # the order of float sums: a seed replays only with it
+               "torch_threads": torch.get_num_threads()}
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
     start_txt = f"{run.first_eval:.3f}" if run.first_eval is not None else "-"
     print(f"done: eval/acc {start_txt} -> {run.last_eval:.3f} in {wall:.0f}s (rollout {summary['rollout_frac']:.0%} "
@@ -1389,15 +1350,14 @@ def _request_stop(signum, frame):
     notice(f"{name}: finishing this step, then writing a checkpoint (send it again to abort at once)")
 
 
-# ============================================ APPENDIX B: tools (memory estimate, dry run, benchmarks, plots) =========
+# ============================================ APPENDIX B: tools (memory estimate, dry run, plots) ====================
 def estimate_memory(model, rows: int, prompt_len: int, new_tokens: int, micro_batch: int, grad_ckpt: bool,
                     quant: str, dtype: torch.dtype, device_type: str = "cuda", kl: bool = False) -> dict:
-    """Estimated peak GiB of a training step's update and of its rollout, from the model's shapes (a meta-device
-    model will do). Held throughout: fp32 masters and AdamW's two moments (12 B per parameter), the rollout actor,
-    the KL reference. The update adds fp32 gradients, autocast's bf16 copies of the matmul weights, what one
-    micro-batch keeps for backward (per token and layer 36h + 8i bytes under bf16 autocast, 44h + 16i in fp32:
-    Qwen2's saved tensors, counted; one layer's worth with checkpointing) and ~16 B per response logit (the fp32
-    log-softmax input and its gradients). The rollout adds the KV cache and one decode step's logits."""
+    """Estimated peak GiB of a training step's update and of its rollout from the model's shapes (meta-device will
+    do). Held: fp32 masters and AdamW's moments (12 B per parameter), the rollout actor, the KL reference. The update
+    adds fp32 gradients, autocast's bf16 weight copies, what one micro-batch keeps for backward (per token and layer
+    36h + 8i bytes in bf16, 44h + 16i in fp32: Qwen2's saved tensors, counted) and 16 B per response logit. The
+    rollout adds the KV cache and one decode step's logits."""
     c = model.config
     h, n_layers, inter, vocab = c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size
     kv_dim = c.num_key_value_heads * (getattr(c, "head_dim", None) or h // c.num_attention_heads)
@@ -1417,8 +1377,7 @@ def estimate_memory(model, rows: int, prompt_len: int, new_tokens: int, micro_ba
                                           logits=logits, actor=actor).items()}
 
 def dry_run(args: Args) -> None:
-    """The resolved config, the model's size, the data, one prompt and the estimated peak memory, without loading
-    the weights (a meta-device model built from the config)."""
+    """Config, model size, data, one prompt and the estimated peak memory, without loading weights (meta device)."""
     device, dtype = resolve_device_dtype(args.dtype)
     model, tok = load_model(args.model, weights=False)
     train_set, test_set = load_data(args)
@@ -1437,148 +1396,8 @@ def dry_run(args: Args) -> None:
     print(f"problems: {len(train_set)} train, {len(test_set)} test")
     print(f"one formatted prompt:\n{format_prompt(train_set[0]['question'], tok)}\n(gold: {train_set[0]['gold']})")
 
-def quant_bytes(q_model: nn.Module) -> tuple[int, int]:
-    """(bytes of weight codes + their scales (row scales, or NF4's block absmax), weights they replace)."""
-    qls = [mod for mod in q_model.modules() if isinstance(mod, QuantLinear)]
-    codes = sum(q.weight_q.numel() * q.weight_q.element_size() + q.weight_scale.numel() * 4 for q in qls)
-    return codes, sum(q.in_features * q.out_features for q in qls)
-
-# Published architectures (config.json of each hub model), built with random weights for throughput runs:
-# model_type, hidden, layers, heads, kv heads, intermediate, vocab, tied embeddings (+ head_dim where it differs).
-MODEL_CONFIGS = {
-    "qwen2.5-0.5b": ("qwen2", 896, 24, 14, 2, 4864, 151936, True),
-    "qwen2.5-1.5b": ("qwen2", 1536, 28, 12, 2, 8960, 151936, True),
-    "qwen2.5-7b": ("qwen2", 3584, 28, 28, 4, 18944, 152064, False),
-    "qwen3-0.6b": ("qwen3", 1024, 28, 16, 8, 3072, 151936, True, 128),
-    "qwen2-h512-l8": ("qwen2", 512, 8, 8, 2, 2048, 151936, True),
-}
-BENCH_RUNS = 3  # timed repetitions of each measurement, after one warm-up; the median is reported
-
-def _bench_model(args: Args, device):
-    """fp32 masters of --model, or of a published architecture with random weights (and the tiny tokenizer)."""
-    if not args.model_config:
-        return load_model(args.model, device, torch.float32)
-    from transformers import AutoConfig, AutoModelForCausalLM
-    kind, h, n_layers, heads, kv, inter, vocab, tied, *head_dim = MODEL_CONFIGS[args.model_config]
-    cfg = AutoConfig.for_model(kind, hidden_size=h, num_hidden_layers=n_layers, num_attention_heads=heads,
-                               num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
-                               tie_word_embeddings=tied, max_position_embeddings=32768, rope_theta=1e6,
-                               **({"head_dim": head_dim[0]} if head_dim else {}))
-    torch.manual_seed(0)
-    with torch.device(device):  # initialized where it runs: a 7B model's random init on a CPU takes minutes
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    return model, load_model(str(HERE / "data/tiny-qwen"))[1]
-
-def _timed(fn, device) -> tuple[float, object]:
-    """Median seconds of BENCH_RUNS calls of fn (after one warm-up call), and the last result."""
-    times, out = [], None
-    for i in range(BENCH_RUNS + 1):
-        _memory(device, sync=True)
-        t = time.perf_counter()
-        out = fn()
-        _memory(device, sync=True)
-        times += [time.perf_counter() - t] if i else []
-    return sorted(times)[len(times) // 2], out
-
-def _report(row: dict, device, out: str | None = None) -> dict:
-    """Name the device, print the row as key=value pairs, append it as a JSON line to `out`."""
-    row = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}",
-           **row}
-    print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        with open(out, "a") as f:
-            f.write(json.dumps(row) + "\n")
-    return row
-
-def bench_rollout(args: Args) -> list[dict]:
-    """Rollout tokens/s of `sample` for each --bench-batch and every rollout precision, the actor in its training
-    configuration (built from fp32 masters, run under autocast), as a ratio to the unquantized actor; and of
-    transformers' model.generate on the unquantized actor, the same rows. EOS ignored: every row samples
-    --max-new-tokens tokens, as random weights would stop at random."""
-    device, dtype = resolve_device_dtype(args.dtype)
-    model, tok = _bench_model(args, device)
-    problems, rows, base = load_problems(args.test_data, "test", args.fields), [], {}
-    for fmt in ("none", "int8", "fp8", "nf4"):
-        try:
-            actor = make_rollout_actor(model, fmt, dtype)
-        except QurlError as e:  # bitsandbytes missing: bench the other formats
-            notice(f"bench: skipping {fmt} ({e})")
-            continue
-        for batch in (int(b) for b in args.bench_batch.split(",")):
-            prompts = [format_prompt(problems[i % len(problems)]["question"], tok) for i in range(batch)]
-            gen, n = torch.Generator(device=device).manual_seed(args.seed), args.max_new_tokens
-            _memory(device, reset=True)
-            with autocast(device, dtype):
-                t, ro = _timed(lambda: sample(actor, tok, prompts, 1, n, generator=gen, ignore_eos=True), device)
-                base[batch] = base.get(batch, batch * n / t)  # "none" comes first: the unquantized baseline
-                row = {"model": args.model_config or Path(args.model).name, "quant": fmt, "dtype": str(dtype)[6:],
-                       "batch": batch, "len": n, "tok_s": batch * n / t, "ratio_to_unquantized": batch * n / t /
-                       base[batch], "peak_gib": _memory(device) / 2**30}
-                if fmt == "none":  # transformers' own loop on the same rows
-                    enc = tok(prompts, return_tensors="pt", padding=True).to(device)
-                    t_gen, _ = _timed(lambda: actor.generate(**enc, do_sample=True, top_k=0, max_new_tokens=n,
-                                                             min_new_tokens=n, pad_token_id=tok.pad_token_id), device)
-                    row["generate_tok_s"] = batch * n / t_gen
-            rows.append(_report(row, device, args.out))
-        del actor
-    return rows
-
-def bench_train(args: Args) -> dict:
-    """Whole RL steps at the real sizes: a warm-up (it allocates AdamW's state), a rollout alone, then BENCH_RUNS
-    steps of train_step with --prompts-per-step x --group-size rows of --max-new-tokens tokens (EOS ignored: random
-    weights stop at random) and random 0/1 rewards. Reports the median seconds per step, rollout tokens/s, and the
-    peak memory of the rollout and of a whole step beside `estimate_memory`'s (CPU: resident memory above what the
-    process held before the model)."""
-    device, dtype = resolve_device_dtype(args.dtype)
-    base = _memory(device, reset=True)
-    model, tok = _bench_model(args, device)
-    prepare_actor(model.train(), args.grad_checkpointing)
-    rl = Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-7), make_rollout_actor(model, args.quant, dtype),
-                 tok, torch.Generator(device=device).manual_seed(args.seed), dtype)
-    problems = load_problems(args.test_data, "test", args.fields)[:args.prompts_per_step]
-    prompts = [format_prompt(p["question"], tok) for p in problems]
-    coin = random.Random(args.seed)
-    times, tok_s = [], []
-    for step in range(BENCH_RUNS + 1):
-        if step == 1:
-            _memory(device, reset=True)
-            with autocast(device, dtype):
-                sample(rl.actor, tok, prompts, args.group_size, args.max_new_tokens, generator=rl.gen, ignore_eos=True)
-            roll_peak = _memory(device) - base
-            _memory(device, reset=True)
-        m, _ = train_step(rl, args, problems, step, lambda text, gold: float(coin.random() < 0.5), ignore_eos=True)
-        times, tok_s = times + [m["perf/step_s"]] * (step > 0), tok_s + [m["perf/rollout_tok_s"]] * (step > 0)
-    step_peak = _memory(device) - base
-    P = max(len(x) for x in tok(prompts, add_special_tokens=False)["input_ids"])
-    est = estimate_memory(model, len(prompts) * args.group_size, P, args.max_new_tokens, args.micro_batch,
-                          args.grad_checkpointing, args.quant, dtype, device.type)
-    return _report({"model": args.model_config or Path(args.model).name, "quant": args.quant, "dtype": str(dtype)[6:],
-                    "rows": len(prompts) * args.group_size, "prompt_len": P, "new_tokens": args.max_new_tokens,
-                    "micro_batch": args.micro_batch, "grad_ckpt": args.grad_checkpointing,
-                    "step_s": sorted(times)[len(times) // 2], "tok_s": sorted(tok_s)[len(tok_s) // 2],
-                    "rollout_peak_gib": roll_peak / 2**30, "rollout_est_gib": est["rollout"],
-                    "step_peak_gib": step_peak / 2**30, "step_est_gib": max(est["train"], est["rollout"])},
-                   device, args.out)
-
-def _memory(device, reset: bool = False, sync: bool = False) -> float:
-    """Peak bytes since the last reset (CUDA: allocated tensors; CPU: resident memory, Linux); reset=True starts a
-    new window and returns the bytes held now; sync=True only waits for the GPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        if reset:
-            torch.cuda.reset_peak_memory_stats()
-        return float(torch.cuda.memory_allocated() if reset else torch.cuda.max_memory_allocated())
-    if sync:
-        return 0.0
-    if reset:
-        Path("/proc/self/clear_refs").write_text("5")  # resets the resident-memory high-water mark (VmHWM)
-    status = dict(l.split(":", 1) for l in Path("/proc/self/status").read_text().splitlines() if ":" in l)
-    return float(status["VmRSS" if reset else "VmHWM"].split()[0]) * 1024
-
-def plot_runs(run_dirs: list[str], out: str | None = None) -> None:
-    """Reward, eval accuracy, mismatch KL, sampled-token entropy, clip fraction and flip rate per step for several
-    runs, one figure (per-step series smoothed by a running mean over 1/25 of the run)."""
+def plot_runs(run_dirs: list[str], out: str = "assets/runs.png") -> None:
+    """Reward, accuracy, mismatch KL, entropy, clip fraction and flip rate per step of several runs (smoothed)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -1606,9 +1425,9 @@ def plot_runs(run_dirs: list[str], out: str | None = None) -> None:
             ax.set(title=title, xlabel="step", yscale="log" if key == "mismatch/kl" else "linear")
     axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
-    Path(out or "assets/runs.png").parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out or "assets/runs.png", dpi=80)
-    print(f"wrote {out or 'assets/runs.png'}")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=80)
+    print(f"wrote {out}")
 
 _format_warning = warnings.formatwarning
 
@@ -1622,8 +1441,6 @@ def main(argv=None) -> None:
             plot_runs(args.plot, args.out)
         elif args.dry_run:
             dry_run(args)
-        elif args.bench:
-            (bench_train if args.bench == "train" else bench_rollout)(args)
         else:
             train(args)
     except QurlError as e:

@@ -163,14 +163,18 @@ def test_embedded_data_format():
     assert kinds == {10, 1, 100, 11}  # a+b, a-b, a*b, a+b-c
 
 
-@pytest.fixture(scope="module")
-def mt():
-    """data/make_tiny.py as a module (it is a script, not a package)."""
+def _script(path: Path, name: str):
+    """A script of the project (not a package) imported as a module."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("make_tiny", HERE / "data" / "make_tiny.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def mt():
+    return _script(HERE / "data" / "make_tiny.py", "make_tiny")
 
 
 def test_slipped_demonstrations_are_the_classic_carry_and_borrow_errors(mt):
@@ -229,6 +233,13 @@ def test_format_prompt_plain_and_chat(tiny):
 # ======================================================================================================================
 # The method, 2: quantization (against bitsandbytes' own dequantize, a hand NF4 table and a plain fp32 linear)
 # ======================================================================================================================
+def quant_bytes(q_model) -> tuple[int, int]:
+    """(bytes of weight codes + their scales (row scales, or NF4's block absmax), weights they replace)."""
+    qls = [mod for mod in q_model.modules() if isinstance(mod, qurl.QuantLinear)]
+    codes = sum(q.weight_q.numel() * q.weight_q.element_size() + q.weight_scale.numel() * 4 for q in qls)
+    return codes, sum(q.in_features * q.out_features for q in qls)
+
+
 def _realistic_linear(K=512, N=256, seed=0):
     g = torch.Generator().manual_seed(seed)
     lin = torch.nn.Linear(K, N, bias=True)
@@ -330,7 +341,7 @@ def test_quantized_tiny_model_close(tiny, problems, fmt):
     ro_q = qurl.sample(q, tok, [qurl.format_prompt(p["question"], tok) for p in problems[:100]], 1, 32, 0)
     agree = sum(a == b for a, b in zip(ro_f.texts, ro_q.texts))
     assert agree >= 80, agree
-    codes, n = qurl.quant_bytes(q)
+    codes, n = quant_bytes(q)
     assert n > 4e5 and codes < 1.05 * n  # 1 byte per weight plus per-row scales
 
 
@@ -366,7 +377,7 @@ def test_nf4_equals_bitsandbytes_per_layer(tiny, problems):
         xi = torch.randn(5, ql.in_features)
         torch.testing.assert_close(ql(xi), torch.nn.functional.linear(xi, ref, fp[name].bias), rtol=1e-2, atol=1e-3)
     assert 0.05 < _rel_err(qls[0][1].weight_deq, fp[qls[0][0]].weight.detach()) < 0.15  # 4 bits: ~9 % error
-    codes, n = qurl.quant_bytes(q)
+    codes, n = quant_bytes(q)
     assert codes == n // 2 + n // 64 * 4  # half a byte per weight plus one fp32 absmax per block of 64
 
 
@@ -1436,7 +1447,7 @@ def test_memory_estimate_terms_against_the_objects_they_count(tiny):
     model = tiny[0]
     n_par = sum(p.numel() for p in model.parameters())
     for fmt in ("fp8", "nf4"):
-        codes, n_lin = qurl.quant_bytes(qurl.quantize_actor(model, fmt))
+        codes, n_lin = quant_bytes(qurl.quantize_actor(model, fmt))
         est = qurl.estimate_memory(model, 64, 20, 32, 16, False, fmt, torch.bfloat16, "cuda")
         scales = codes - n_lin * (0.5 if fmt == "nf4" else 1)
         assert abs(est["actor"] * 2**30 - (codes + 4 * (n_par - n_lin))) <= scales  # per-row scales aside (fp8)
@@ -1448,26 +1459,25 @@ def test_memory_estimate_terms_against_the_objects_they_count(tiny):
 
 
 def test_bench_rollout_on_the_tiny_model(tmp_path):
-    """--bench rollout: every rollout precision as a ratio to the unquantized actor (in bf16 too: the NF4 actor once
+    """bench.py rollout: every rollout precision as a ratio to the unquantized actor (in bf16 too: the NF4 actor once
     crashed there), and model.generate on the same rows; one JSON row per setting, positive throughputs."""
     out = tmp_path / "bench.jsonl"
-    qurl.main(["--bench", "rollout", "--dtype", "bfloat16", "--bench-batch", "4,8", "--max-new-tokens", "8", "--out",
-               str(out)])
+    bench = _script(HERE / ".ci" / "bench.py", "bench")  # the benchmarks: developer tools, kept out of qurl.py
+    bench.main(["rollout", "--dtype", "bfloat16", "--bench-batch", "4,8", "--max-new-tokens", "8", "--out", str(out)])
     rows = [json.loads(l) for l in out.read_text().splitlines()]
     assert [(r["quant"], r["batch"], r["dtype"]) for r in rows] == [
         (q, b, "bfloat16") for q in ("none", "int8", "fp8", "nf4") for b in (4, 8)]
     assert all(r["tok_s"] > 0 for r in rows) and rows[0]["generate_tok_s"] > 0 and rows[0]["ratio_to_unquantized"] == 1
-    field = next(f for f in qurl.dataclasses.fields(qurl.Args) if f.name == "model_config")
-    assert field.metadata["choices"] == list(qurl.MODEL_CONFIGS)  # the flag offers exactly the shapes defined
 
 
 def test_bench_train_measures_peaks_beside_the_estimate(tmp_path):
-    """--bench train runs whole RL steps and reports the rollout's and the step's peak memory beside the estimate.
+    """bench.py train runs whole RL steps and reports the rollout's and the step's peak memory beside the estimate.
     (The estimate is checked against measured peaks at published shapes by the commands in docs/RESULTS.md; the
     tiny model's peaks are below the allocator's noise.) A fresh process: freed memory of other tests would serve."""
     out = tmp_path / "bench.jsonl"
-    res = run_cli("--bench", "train", "--quant", "fp8", "--prompts-per-step", "2", "--group-size", "4",
-                  "--max-new-tokens", "8", "--out", str(out), fresh=True)
+    res = subprocess.run([sys.executable, str(HERE / ".ci" / "bench.py"), "train", "--quant", "fp8",
+                          "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8", "--out", str(out)],
+                         capture_output=True, text=True, cwd=HERE, timeout=300)
     assert res.returncode == 0, res.stderr
     row = json.loads(out.read_text())
     assert row["device"].startswith("cpu") and row["rows"] == 8 and row["tok_s"] > 0 and row["step_s"] > 0

@@ -1,0 +1,183 @@
+"""Benchmarks of qurl.py: developer tools, not the method (they run its functions at given sizes and time them).
+
+    python .ci/bench.py rollout [--model-config SHAPE] [--bench-batch 64,256] [--out rows.jsonl] [qurl flags]
+        tokens/s of every rollout precision (the actor as in training: built from fp32 masters, run under
+        autocast), as a ratio to the unquantized actor, and of transformers' model.generate on the same rows
+    python .ci/bench.py train [--model-config SHAPE] [--out rows.jsonl] [qurl flags: --quant, --prompts-per-step,
+        --group-size, --max-new-tokens, --micro-batch, --grad-checkpointing, --dtype]
+        seconds and peak memory of whole RL steps, beside qurl's `estimate_memory`
+
+--model-config builds a published architecture with random weights (no download); the other flags are qurl.py's.
+On a CPU, run with MALLOC_MMAP_THRESHOLD_=131072 so that freed memory leaves the resident set that is measured.
+"""
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
+
+from qurl import (HERE, Args, Learner, QurlError, autocast, estimate_memory, format_prompt, load_model,  # noqa: E402
+                  load_problems, make_rollout_actor, notice, parse_args, prepare_actor, resolve_device_dtype, sample,
+                  train_step)
+
+# Published architectures (config.json of each hub model), built with random weights for throughput runs:
+# model_type, hidden, layers, heads, kv heads, intermediate, vocab, tied embeddings (+ head_dim where it differs).
+MODEL_CONFIGS = {
+    "qwen2.5-0.5b": ("qwen2", 896, 24, 14, 2, 4864, 151936, True),
+    "qwen2.5-1.5b": ("qwen2", 1536, 28, 12, 2, 8960, 151936, True),
+    "qwen2.5-7b": ("qwen2", 3584, 28, 28, 4, 18944, 152064, False),
+    "qwen3-0.6b": ("qwen3", 1024, 28, 16, 8, 3072, 151936, True, 128),
+    "qwen2-h512-l8": ("qwen2", 512, 8, 8, 2, 2048, 151936, True),
+}
+BENCH_RUNS = 3  # timed repetitions of each measurement, after one warm-up; the median is reported
+
+
+def _bench_model(args: Args, opts, device):
+    """fp32 masters of --model, or of a published architecture with random weights (and the tiny tokenizer)."""
+    if not opts.model_config:
+        return load_model(args.model, device, torch.float32)
+    from transformers import AutoConfig, AutoModelForCausalLM
+    kind, h, n_layers, heads, kv, inter, vocab, tied, *head_dim = MODEL_CONFIGS[opts.model_config]
+    cfg = AutoConfig.for_model(kind, hidden_size=h, num_hidden_layers=n_layers, num_attention_heads=heads,
+                               num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
+                               tie_word_embeddings=tied, max_position_embeddings=32768, rope_theta=1e6,
+                               **({"head_dim": head_dim[0]} if head_dim else {}))
+    torch.manual_seed(0)
+    with torch.device(device):  # initialized where it runs: a 7B model's random init on a CPU takes minutes
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return model, load_model(str(HERE / "data/tiny-qwen"))[1]
+
+
+def _timed(fn, device) -> tuple[float, object]:
+    """Median seconds of BENCH_RUNS calls of fn (after one warm-up call), and the last result."""
+    times, out = [], None
+    for i in range(BENCH_RUNS + 1):
+        _memory(device, sync=True)
+        t = time.perf_counter()
+        out = fn()
+        _memory(device, sync=True)
+        times += [time.perf_counter() - t] if i else []
+    return sorted(times)[len(times) // 2], out
+
+
+def _report(row: dict, device, out: str | None = None) -> dict:
+    """Name the device, print the row as key=value pairs, append it as a JSON line to `out`."""
+    row = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}",
+           **row}
+    print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
+
+
+def bench_rollout(args: Args, opts) -> list[dict]:
+    """Rollout tokens/s of `sample` for each --bench-batch and every rollout precision, the actor in its training
+    configuration (built from fp32 masters, run under autocast), as a ratio to the unquantized actor; and of
+    transformers' model.generate on the unquantized actor, the same rows. EOS ignored: every row samples
+    --max-new-tokens tokens, as random weights would stop at random."""
+    device, dtype = resolve_device_dtype(args.dtype)
+    model, tok = _bench_model(args, opts, device)
+    problems, rows, base = load_problems(args.test_data, "test", args.fields), [], {}
+    for fmt in ("none", "int8", "fp8", "nf4"):
+        try:
+            actor = make_rollout_actor(model, fmt, dtype)
+        except QurlError as e:  # bitsandbytes missing: bench the other formats
+            notice(f"bench: skipping {fmt} ({e})")
+            continue
+        for batch in (int(b) for b in opts.bench_batch.split(",")):
+            prompts = [format_prompt(problems[i % len(problems)]["question"], tok) for i in range(batch)]
+            gen, n = torch.Generator(device=device).manual_seed(args.seed), args.max_new_tokens
+            _memory(device, reset=True)
+            with autocast(device, dtype):
+                t, ro = _timed(lambda: sample(actor, tok, prompts, 1, n, generator=gen, ignore_eos=True), device)
+                base[batch] = base.get(batch, batch * n / t)  # "none" comes first: the unquantized baseline
+                row = {"model": opts.model_config or Path(args.model).name, "quant": fmt, "dtype": str(dtype)[6:],
+                       "batch": batch, "len": n, "tok_s": batch * n / t, "ratio_to_unquantized": batch * n / t /
+                       base[batch], "peak_gib": _memory(device) / 2**30}
+                if fmt == "none":  # transformers' own loop on the same rows
+                    enc = tok(prompts, return_tensors="pt", padding=True).to(device)
+                    t_gen, _ = _timed(lambda: actor.generate(**enc, do_sample=True, top_k=0, max_new_tokens=n,
+                                                             min_new_tokens=n, pad_token_id=tok.pad_token_id), device)
+                    row["generate_tok_s"] = batch * n / t_gen
+            rows.append(_report(row, device, opts.out))
+        del actor
+    return rows
+
+
+def bench_train(args: Args, opts) -> dict:
+    """Whole RL steps at the real sizes: a warm-up (it allocates AdamW's state), a rollout alone, then BENCH_RUNS
+    steps of train_step with --prompts-per-step x --group-size rows of --max-new-tokens tokens (EOS ignored: random
+    weights stop at random) and random 0/1 rewards. Reports the median seconds per step, rollout tokens/s, and the
+    peak memory of the rollout and of a whole step beside `estimate_memory`'s (CPU: resident memory above what the
+    process held before the model)."""
+    device, dtype = resolve_device_dtype(args.dtype)
+    base = _memory(device, reset=True)
+    model, tok = _bench_model(args, opts, device)
+    prepare_actor(model.train(), args.grad_checkpointing)
+    rl = Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-7), make_rollout_actor(model, args.quant, dtype),
+                 tok, torch.Generator(device=device).manual_seed(args.seed), dtype)
+    problems = load_problems(args.test_data, "test", args.fields)[:args.prompts_per_step]
+    prompts = [format_prompt(p["question"], tok) for p in problems]
+    coin = random.Random(args.seed)
+    times, tok_s = [], []
+    for step in range(BENCH_RUNS + 1):
+        if step == 1:
+            _memory(device, reset=True)
+            with autocast(device, dtype):
+                sample(rl.actor, tok, prompts, args.group_size, args.max_new_tokens, generator=rl.gen, ignore_eos=True)
+            roll_peak = _memory(device) - base
+            _memory(device, reset=True)
+        m, _ = train_step(rl, args, problems, step, lambda text, gold: float(coin.random() < 0.5), ignore_eos=True)
+        times, tok_s = times + [m["perf/step_s"]] * (step > 0), tok_s + [m["perf/rollout_tok_s"]] * (step > 0)
+    step_peak = _memory(device) - base
+    P = max(len(x) for x in tok(prompts, add_special_tokens=False)["input_ids"])
+    est = estimate_memory(model, len(prompts) * args.group_size, P, args.max_new_tokens, args.micro_batch,
+                          args.grad_checkpointing, args.quant, dtype, device.type)
+    return _report({"model": opts.model_config or Path(args.model).name, "quant": args.quant, "dtype": str(dtype)[6:],
+                    "rows": len(prompts) * args.group_size, "prompt_len": P, "new_tokens": args.max_new_tokens,
+                    "micro_batch": args.micro_batch, "grad_ckpt": args.grad_checkpointing,
+                    "step_s": sorted(times)[len(times) // 2], "tok_s": sorted(tok_s)[len(tok_s) // 2],
+                    "rollout_peak_gib": roll_peak / 2**30, "rollout_est_gib": est["rollout"],
+                    "step_peak_gib": step_peak / 2**30, "step_est_gib": max(est["train"], est["rollout"])},
+                   device, opts.out)
+
+
+def _memory(device, reset: bool = False, sync: bool = False) -> float:
+    """Peak bytes since the last reset (CUDA: allocated tensors; CPU: resident memory, Linux); reset=True starts a
+    new window and returns the bytes held now; sync=True only waits for the GPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        if reset:
+            torch.cuda.reset_peak_memory_stats()
+        return float(torch.cuda.memory_allocated() if reset else torch.cuda.max_memory_allocated())
+    if sync:
+        return 0.0
+    if reset:
+        Path("/proc/self/clear_refs").write_text("5")  # resets the resident-memory high-water mark (VmHWM)
+    status = dict(l.split(":", 1) for l in Path("/proc/self/status").read_text().splitlines() if ":" in l)
+    return float(status["VmRSS" if reset else "VmHWM"].split()[0]) * 1024
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog=".ci/bench.py", description=__doc__.split("\n")[0])
+    parser.add_argument("mode", choices=["rollout", "train"])
+    parser.add_argument("--model-config", choices=list(MODEL_CONFIGS), help="a published shape, random weights")
+    parser.add_argument("--bench-batch", default="128", help="rows per rollout batch, comma separated")
+    parser.add_argument("--out", help="also append each row as a JSON line to this file")
+    opts, rest = parser.parse_known_args(argv)
+    if not all(b.strip().isdigit() and int(b) > 0 for b in opts.bench_batch.split(",")):
+        parser.error(f"--bench-batch must be positive integers separated by commas, got '{opts.bench_batch}'")
+    try:
+        (bench_train if opts.mode == "train" else bench_rollout)(parse_args(rest), opts)
+    except QurlError as e:
+        sys.exit(f"bench: error: {e}")
+
+
+if __name__ == "__main__":
+    main()
