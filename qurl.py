@@ -924,7 +924,7 @@ def _boxed(text: str) -> str | None:
     """Content of the last \\boxed{...}, braces balanced."""
     start = text.rfind("\\boxed")
     i, depth = text.find("{", start) if start >= 0 else -1, 0
-    for j in range(i, len(text) if i >= 0 else i):
+    for j in range(i, len(text)) if i >= 0 else ():  # no brace: nothing to scan
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
             return text[i + 1:j]
@@ -1060,18 +1060,16 @@ def prepare_actor(model: nn.Module, grad_checkpointing: bool = False) -> None:
     if grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-def check_prompt_lengths(model, tok, problems: list[dict], max_new_tokens: int) -> None:
-    """Refuse, before anything is written, problems whose prompt + response cannot fit the model's context."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is None:
-        return
+def check_prompt_lengths(model, tok, problems: list[dict], max_new_tokens: int) -> int:
+    """The widest prompt in tokens; refuses, before anything is written, a prompt + response beyond the context."""
     lens = [len(x) for x in tok([format_prompt(p["question"], tok) for p in problems],
                                 add_special_tokens=False)["input_ids"]]
-    i = max(range(len(lens)), key=lens.__getitem__)
-    if lens[i] + max_new_tokens > limit:
+    i, limit = max(range(len(lens)), key=lens.__getitem__), getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and lens[i] + max_new_tokens > limit:
         raise QurlError(f"problem {i + 1} ({problems[i]['question'][:40]!r}...): prompt of {lens[i]} tokens + "
                         f"--max-new-tokens {max_new_tokens} exceeds the model's context of {limit}; shorten or "
                         f"drop long problems, or lower --max-new-tokens")
+    return lens[i]
 
 RUN_MARKER = ".qurl-run"  # written into every run folder at creation: --overwrite deletes only folders that hold it
 
@@ -1381,8 +1379,7 @@ def dry_run(args: Args) -> None:
     device, dtype = resolve_device_dtype(args.dtype)
     model, tok = load_model(args.model, weights=False)
     train_set, test_set = load_data(args)
-    P = max(len(x) for x in tok([format_prompt(p["question"], tok) for p in train_set],
-                                add_special_tokens=False)["input_ids"])
+    P = check_prompt_lengths(model, tok, train_set, args.max_new_tokens)
     rows = args.prompts_per_step * args.group_size
     est = estimate_memory(model, rows, P, args.max_new_tokens, args.micro_batch, args.grad_checkpointing,
                           args.quant, dtype, device.type, args.kl_coef > 0)

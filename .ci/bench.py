@@ -20,9 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
-from qurl import (HERE, Args, Learner, QurlError, autocast, estimate_memory, format_prompt, load_model,  # noqa: E402
-                  load_problems, make_rollout_actor, notice, parse_args, prepare_actor, resolve_device_dtype, sample,
-                  train_step)
+from qurl import (HERE, Args, Learner, QurlError, autocast, check_prompt_lengths, estimate_memory,  # noqa: E402
+                  format_prompt, load_model, load_problems, make_rollout_actor, notice, parse_args, prepare_actor,
+                  resolve_device_dtype, sample, train_step)
 
 # Published architectures (config.json of each hub model), built with random weights for throughput runs:
 # model_type, hidden, layers, heads, kv heads, intermediate, vocab, tied embeddings (+ head_dim where it differs).
@@ -56,10 +56,10 @@ def _timed(fn, device) -> tuple[float, object]:
     """Median seconds of BENCH_RUNS calls of fn (after one warm-up call), and the last result."""
     times, out = [], None
     for i in range(BENCH_RUNS + 1):
-        _memory(device, sync=True)
+        _sync(device)
         t = time.perf_counter()
         out = fn()
-        _memory(device, sync=True)
+        _sync(device)
         times += [time.perf_counter() - t] if i else []
     return sorted(times)[len(times) // 2], out
 
@@ -136,7 +136,7 @@ def bench_train(args: Args, opts) -> dict:
         m, _ = train_step(rl, args, problems, step, lambda text, gold: float(coin.random() < 0.5), ignore_eos=True)
         times, tok_s = times + [m["perf/step_s"]] * (step > 0), tok_s + [m["perf/rollout_tok_s"]] * (step > 0)
     step_peak = _memory(device) - base
-    P = max(len(x) for x in tok(prompts, add_special_tokens=False)["input_ids"])
+    P = check_prompt_lengths(model, tok, problems, args.max_new_tokens)
     est = estimate_memory(model, len(prompts) * args.group_size, P, args.max_new_tokens, args.micro_batch,
                           args.grad_checkpointing, args.quant, dtype, device.type)
     return _report({"model": opts.model_config or Path(args.model).name, "quant": args.quant, "dtype": str(dtype)[6:],
@@ -148,16 +148,19 @@ def bench_train(args: Args, opts) -> dict:
                    device, opts.out)
 
 
-def _memory(device, reset: bool = False, sync: bool = False) -> float:
-    """Peak bytes since the last reset (CUDA: allocated tensors; CPU: resident memory, Linux); reset=True starts a
-    new window and returns the bytes held now; sync=True only waits for the GPU."""
+def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def _memory(device, reset: bool = False) -> float:
+    """Peak bytes since the last reset (CUDA: allocated tensors; CPU: resident memory, Linux); reset=True starts a
+    new window and returns the bytes held now."""
+    _sync(device)
+    if device.type == "cuda":
         if reset:
             torch.cuda.reset_peak_memory_stats()
         return float(torch.cuda.memory_allocated() if reset else torch.cuda.max_memory_allocated())
-    if sync:
-        return 0.0
     if reset:
         Path("/proc/self/clear_refs").write_text("5")  # resets the resident-memory high-water mark (VmHWM)
     status = dict(l.split(":", 1) for l in Path("/proc/self/status").read_text().splitlines() if ":" in l)
