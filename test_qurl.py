@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -213,7 +214,7 @@ def test_tiny_model_offline_roundtrip_and_band(tiny, problems):
     assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
     assert tok.pad_token_id == tok.eos_token_id  # the pitfall the masks must survive
     assert 3e5 <= sum(p.numel() for p in model.parameters()) <= 3e6
-    acc = qurl.evaluate(model, tok, problems[:100], max_new_tokens=32)["acc"]
+    acc = qurl.evaluate(model, tok, problems[:100], max_new_tokens=32)
     assert 0.20 <= acc <= 0.60, acc
 
 
@@ -272,51 +273,40 @@ def test_quantlinear_vs_fp32(fmt, bound, floor):
     assert q.weight_q.element_size() == 1
 
 
+def _fp8(lin, kernel):
+    q = qurl.QuantLinear(lin, "fp8")
+    q.kernel = kernel
+    return q
+
+
 def test_fp8_scaled_mm_and_emulation_agree():
     lin, x = _realistic_linear()
-    a, b = qurl.QuantLinear(lin, "fp8", "scaled_mm"), qurl.QuantLinear(lin, "fp8", "emulate")
-    assert a.kernel == "scaled_mm" and b.kernel == "emulate"
+    a, b = _fp8(lin, "scaled_mm"), qurl.QuantLinear(lin, "fp8")
+    assert b.kernel == "emulate"  # the CPU's choice: the faster one here
     torch.testing.assert_close(a(x), b(x), rtol=1e-5, atol=1e-6)
-    assert qurl.QuantLinear(lin, "fp8").kernel == "emulate"  # the CPU default: the faster one here
     b.weight_deq = None  # the per-call dequantization (CUDA without _scaled_mm) is the same math
     torch.testing.assert_close(a(x), b(x), rtol=1e-5, atol=1e-6)
-    odd = qurl.QuantLinear(torch.nn.Linear(24, 40), "fp8", "scaled_mm")  # _scaled_mm refuses this shape
-    assert odd.kernel == "emulate"
     c = qurl.QuantLinear(lin, "fp8")  # the cached dequantized weights follow a weight sync
     with torch.no_grad():
         lin.weight.mul_(-0.5)
     c.load_weight(lin.weight)
-    torch.testing.assert_close(c(x), qurl.QuantLinear(lin, "fp8", "scaled_mm")(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(c(x), _fp8(lin, "scaled_mm")(x), rtol=1e-5, atol=1e-6)
 
 
-def test_fp8_without_scaled_mm_falls_back_with_notice(monkeypatch):
-    monkeypatch.delattr(torch, "_scaled_mm")
-    lin, x = _realistic_linear()
-    with pytest.warns(UserWarning, match="dequantize-and-matmul"):
-        q = qurl.QuantLinear(lin, "fp8", "scaled_mm")
-    assert q.kernel == "emulate"
-    assert _rel_err(q(x) - lin.bias, lin(x) - lin.bias) < 0.05
-
-
-def test_fp8_scaled_mm_refused_at_call_time_switches_once(monkeypatch):
-    """A build that has _scaled_mm but refuses the call (e.g. row-wise scales on an older GPU): the layer warns once,
-    switches to the emulation for good (no exception per call on the decode path) and returns the same values."""
-    lin, x = _realistic_linear()
-    q, ref = qurl.QuantLinear(lin, "fp8", "scaled_mm"), qurl.QuantLinear(lin, "fp8", "emulate")
-    calls = []
-
-    def refuse(*a, **kw):
-        calls.append(1)
-        raise RuntimeError("row-wise scaling is not supported here")
-    monkeypatch.setattr(torch, "_scaled_mm", refuse)
-    with pytest.warns(UserWarning, match="refused a call.*row-wise scaling"):
-        y1 = q(x)
-    y2 = q(x)
-    assert len(calls) == 1 and q.kernel == "emulate"
-    torch.testing.assert_close(y1, ref(x), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(y2, ref(x), rtol=1e-5, atol=1e-6)
-    with pytest.raises(RuntimeError, match="row-wise"):  # the bare kernel function says what torch said
-        qurl.w8a8_matmul(x, q.weight_q, q.weight_scale, "fp8", "scaled_mm")
+def test_fp8_kernel_choice_says_when_the_gpu_cannot_run_scaled_mm(monkeypatch):
+    """_scaled_mm needs CUDA compute capability 8.9+ and dims that are multiples of 16; elsewhere the
+    emulation, with one warning that names the reason."""
+    import types
+    gpu = types.SimpleNamespace(is_cuda=True, device="cuda:0", shape=(64, 32))
+    for capability, shape, want in (((9, 0), (64, 32), "scaled_mm"), ((8, 0), (64, 32), "emulate"),
+                                    ((9, 0), (40, 24), "emulate")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+        gpu.shape = shape
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert qurl.QuantLinear.fp8_kernel(gpu) == want
+        assert len(seen) == (want == "emulate") and all("8.9" in str(w.message) for w in seen)
+    assert qurl.QuantLinear.fp8_kernel(torch.zeros(64, 32)) == "emulate"  # the CPU
 
 
 def test_quantize_fp8_clamps_and_scales():
@@ -425,7 +415,7 @@ def test_invariant_scale_preserves_function_and_raises_flip_rate(tiny, problems)
     model, tok = tiny
     enc = tok([qurl.format_prompt(p["question"], tok) for p in problems[:8]], return_tensors="pt", padding=True)
     scaled = copy.deepcopy(model)
-    qurl.invariant_scale(scaled, 1.5)
+    qurl.invariant_rescale(scaled, 1.5)
     q_w = lambda m: m.model.layers[0].self_attn.q_proj.weight  # noqa: E731
     assert not torch.equal(q_w(scaled), q_w(model))
     with torch.no_grad():
@@ -445,7 +435,7 @@ def test_invariant_scale_refuses_unknown_layers():
     from transformers import GPT2Config, GPT2LMHeadModel
     m = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(qurl.QurlError, match="invariant-scale 1"):
-        qurl.invariant_scale(m, 1.5)
+        qurl.invariant_rescale(m, 1.5)
 
 
 def _ref_fake_quant(x, fmt):
@@ -485,14 +475,6 @@ def test_int8_massive_activations_stay_finite():
     y, ref = qurl.QuantLinear(lin, "int8")(x), lin(x)
     assert torch.isfinite(y).all() and _rel_err(y - lin.bias, ref - lin.bias) < 0.03
     torch.testing.assert_close(y[3:], qurl.QuantLinear(lin, "int8")(x[3:]))  # other tokens: bnb's plain path
-    import warnings
-    with warnings.catch_warnings(record=True) as seen:  # Python's default filter: once per text and line
-        warnings.simplefilter("default")
-        q = qurl.QuantLinear(lin, "int8")
-        for big in (7e4, 3e5, 1e6):  # every decode step of a real checkpoint brings other values
-            x[:3, 7] = torch.tensor([big, 0.0, 0.0])
-            q(x)
-    assert len([w for w in seen if "fp16's range" in str(w.message)]) == 1
 
 
 def test_int8_aligned_forward_survives_massive_activations():
@@ -554,15 +536,6 @@ def test_aligned_forward_matches_quantized_actor(tiny, problems, fmt, autocast):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         torch.testing.assert_close(model(**enc).logits, lf)  # the context restored the plain forward
 
-
-def test_missing_or_old_bitsandbytes(monkeypatch, tiny):
-    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
-    with pytest.raises(qurl.QurlError, match="needs bitsandbytes >= 0.46.*--quant fp8"):
-        qurl.quantize_actor(tiny[0], "int8")
-    import types
-    monkeypatch.setitem(sys.modules, "bitsandbytes", types.SimpleNamespace(__version__="0.45.5"))
-    with pytest.raises(qurl.QurlError, match="found 0.45.5"):
-        qurl.quantize_actor(tiny[0], "int8")
 
 # ======================================================================================================================
 # The method, 3 and 4: rollout and log-probs (against teacher-forced log-probs and model.generate)
@@ -816,8 +789,7 @@ def test_on_policy_gradient_is_plain_policy_gradient(kind):
     torch.testing.assert_close(grad, ref)
 
 
-def _oracle(kind, lp, prox, behav, adv, mask, eps_low=0.2, eps_high=0.28, C=2.0, band=(3e-4, 4e-4, 7e-4),
-            M=None):
+def _oracle(kind, lp, prox, behav, adv, mask, eps_low=0.2, eps_high=0.28, C=2.0, band=(3e-4, 4e-4, 7e-4)):
     """The four objectives written from their formulas, one token or sequence at a time (float64 scalars)."""
     B, T = lp.shape
     prox, behav = prox.tolist(), behav.tolist()
@@ -840,8 +812,6 @@ def _oracle(kind, lp, prox, behav, adv, mask, eps_low=0.2, eps_high=0.28, C=2.0,
                 if not 1 - lo <= s.item() <= 1 + hi_neg:
                     continue
                 ell = clip(s, 1 - lo, 1 + hi_neg) * A
-            if M is not None and not 1 / M <= w <= M:
-                continue
             terms.append(min(w, C) * ell)
         return -sum(terms) / max(len(terms), 1) if terms else lp.sum() * 0
     total, n = lp.sum() * 0, 0
@@ -877,20 +847,18 @@ def _oracle_cases():
 
 
 @pytest.mark.parametrize("kind", ["naive", "tis", "acr", "tbpo"])
-@pytest.mark.parametrize("C,M", [(2.0, None), (1.2, None), (2.0, 1.5)])
-def test_policy_loss_matches_independent_oracle(kind, C, M):
+@pytest.mark.parametrize("C", [2.0, 1.2])
+def test_policy_loss_matches_independent_oracle(kind, C):
     lp_tok, lp_seq, prox, behav, adv, mask = _oracle_cases()
     lp0 = lp_seq if kind == "tbpo" else lp_tok
-    kw = dict(loss=kind, is_cap=C, tbpo_max_mismatch=M)
-    if kind != "tbpo" and M is not None:
-        pytest.skip("--tbpo-max-mismatch is a tbpo flag")
+    kw = dict(loss=kind, is_cap=C)
     for old_grad in (False, True):  # old log-probs passed with requires_grad: no gradient may reach them
         lp = lp0.clone().requires_grad_(True)
         p, b = prox.clone().requires_grad_(old_grad), behav.clone().requires_grad_(old_grad)
         loss, _ = qurl.policy_loss(lp, p, b, adv, mask, **kw)
         loss.backward()
         lo = lp0.clone().requires_grad_(True)
-        ref = _oracle(kind, lo, prox, behav, adv.tolist(), mask.tolist(), C=C, M=M)
+        ref = _oracle(kind, lo, prox, behav, adv.tolist(), mask.tolist(), C=C)
         ref.backward()
         assert abs(loss.item() - ref.item()) <= 1e-6 * max(1.0, abs(ref.item())), (loss.item(), ref.item())
         torch.testing.assert_close(lp.grad, lo.grad, rtol=1e-6, atol=1e-9)
@@ -934,77 +902,103 @@ class _CaptureGrads(torch.optim.Optimizer):
         self.grads.append([p.grad.clone() for g in self.param_groups for p in g["params"] if p.grad is not None])
 
 
-@pytest.mark.parametrize("loss,kl", [("acr", 0.05), ("tbpo", 0.0), ("tbpo", 0.05)])
-def test_gradient_accumulation_equals_single_pass(tiny, problems, loss, kl, monkeypatch):
-    """update() with --micro-batch 3 steps on the gradient of the whole mini-batch's loss (float64, to 1e-6)."""
+def _batch(rollout, adv):
+    return {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
+            "response_mask": rollout.response_mask, "logp_behav": rollout.logp_behav, "adv": adv}
+
+
+@pytest.mark.parametrize("loss", ["acr", "tbpo"])
+def test_gradient_accumulation_equals_single_pass(tiny, problems, loss):
+    """--micro-batch 3 gives the gradient of the whole mini-batch's loss (float64, to 1e-6), with
+    TBPO's denominator counted over the mini-batch (sequences in band, above it, below it)."""
     import copy
     model, tok = copy.deepcopy(tiny[0]).double(), tiny[1]
     ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=16,
                      generator=torch.Generator().manual_seed(0))
-    ids, am, mask, behav = ro.input_ids, ro.attention_mask, ro.response_mask.double(), ro.logp_behav.double()
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5] * 4, dtype=torch.float64)
+    batch = _batch(ro, torch.tensor([1.0, -1.0, 0.5, -0.5] * 4, dtype=torch.float64))
+    batch["logp_behav"] = batch["logp_behav"].double()
+    mask = ro.response_mask.double()
     with torch.no_grad():
-        lp_now = qurl.token_logprobs(model, ids, am, mask)
-    shifts = torch.tensor([0.0, -1e-4, -2e-3, 2e-3] * 4, dtype=torch.float64)  # tbpo: in band, above, below
+        lp_now = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, mask)
+    shifts = torch.tensor([0.0, -1e-4, -2e-3, 2e-3] * 4, dtype=torch.float64)  # in, above, below
     prox = (lp_now + shifts[:, None]) * mask
-    ref_lp = (lp_now - 0.1 * mask) if kl else None
-    args = qurl.Args(loss=loss, kl_coef=kl, micro_batch=3)
-    monkeypatch.setattr(qurl, "MAX_GRAD_NORM", 1e9)  # clipping would scale the captured gradient
-    rl = qurl.Learner(model, _CaptureGrads(model.parameters()), model, tok, torch.Generator(), torch.float64)
-    qurl.update(rl, args, ids, am, mask, behav, adv, prox, ref_lp)
-    got = rl.opt.grads[0]
+    args = qurl.Args(loss=loss, micro_batch=3)
+    rl = qurl.Learner(model, torch.optim.SGD(model.parameters()), model, tok, torch.Generator(),
+                      torch.float64)
+    m, finite, _ = qurl.backward_mini_batch(rl, args, batch, prox)
+    got = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     model.zero_grad()
-    lp = qurl.token_logprobs(model, ids, am, mask, micro_batch=len(ids))           # one pass, one backward
-    total, m = qurl.policy_loss(lp, prox, behav, adv, mask, loss=loss)
-    if kl:
-        total = total + kl * qurl.kl_penalty(lp, ref_lp, mask)
-    total.backward()
+    lp = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, mask, micro_batch=16)
+    qurl.policy_loss(lp, prox, batch["logp_behav"], batch["adv"], mask, loss=loss)[0].backward()
     want = [p.grad for p in model.parameters() if p.grad is not None]
-    assert len(got) == len(want) and sum(float(g.abs().sum()) for g in want) > 0
-    # per tensor, relative to its norm: Qwen2's RMSNorm computes in float32 even in a float64 model, so gradients
-    # carry float32 rounding (~1e-7) wherever they pass a norm
+    assert finite and len(got) == len(want) and sum(float(g.abs().sum()) for g in want) > 0
+    # per tensor, relative to its norm: Qwen2's RMSNorm computes in float32 even in a float64
+    # model, so gradients carry float32 rounding (~1e-7) wherever they pass a norm
     assert max(_rel_err(g, w) for g, w in zip(got, want)) < 1e-6
     if loss == "tbpo":  # the case has sequences out of band on both sides
         assert m["tbpo/kept"] == 0.5 and m["clip/low"] == 0.25 and m["clip/high"] == 0.25
 
 
+def test_update_returns_pi_prox_of_the_actor_before_its_first_step(tiny, problems):
+    """update() returns the actor's log-probs before any optimizer step, for every row, with one
+    update per rollout (the training forward's own values) and with several (a no-grad forward),
+    while the weights do move."""
+    import copy
+    for mini_batches, epochs in ((1, 1), (4, 2)):
+        model, tok = copy.deepcopy(tiny[0]), tiny[1]
+        ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=12,
+                         generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            before = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask)
+        args = qurl.Args(loss="tis", mini_batches=mini_batches, ppo_epochs=epochs, micro_batch=5)
+        rl = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-2), model, tok,
+                          torch.Generator(), torch.float32)
+        _, logp_prox = qurl.update(rl, args, _batch(ro, torch.tensor([1.0, -1.0] * 8)))
+        with torch.no_grad():
+            after = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask)
+        torch.testing.assert_close(logp_prox, before, rtol=0, atol=1e-6)
+        assert (after - before).abs().max() > 0.01
+
+
 def test_bf16_updates_see_fresh_weights_after_each_optimizer_step(tiny, problems, monkeypatch):
-    """torch.autocast caches the bf16 copy of each weight until its block exits: with several mini-batches the
-    forwards after the first optimizer step must see the updated weights, as a fresh forward of that model does."""
+    """torch.autocast caches the bf16 copy of each weight until its block exits: with several
+    mini-batches the forwards after the first optimizer step must see the updated weights, as a
+    fresh forward of that model does."""
     import copy
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
     ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=16,
                      generator=torch.Generator().manual_seed(0))
     args = qurl.Args(loss="tis", mini_batches=2, micro_batch=8)
-    rl = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-2), model, tok, torch.Generator(),
-                      torch.bfloat16)
+    rl = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-2), model, tok,
+                      torch.Generator(), torch.bfloat16)
     seen, after_first = [], []
-    plain_loss, plain_step = qurl.policy_loss, rl.opt.step
-    monkeypatch.setattr(qurl, "policy_loss", lambda logp, *a, **kw: (seen.append(logp.detach()), plain_loss(
-        logp, *a, **kw))[1])
-    rl.opt.step = lambda *a: (plain_step(*a), after_first or after_first.append(copy.deepcopy(model.state_dict())))
+    plain_loss, plain_step = qurl.policy_loss, rl.optimizer.step
+    monkeypatch.setattr(qurl, "policy_loss", lambda logp, *a, **kw: (
+        seen.append(logp.detach()), plain_loss(logp, *a, **kw))[1])
+    rl.optimizer.step = lambda *a: (plain_step(*a), after_first or after_first.append(
+        copy.deepcopy(model.state_dict())))
     before = copy.deepcopy(model)
     with qurl.autocast(torch.device("cpu"), torch.bfloat16):
-        qurl.update(rl, args, ro.input_ids, ro.attention_mask, ro.response_mask, ro.logp_behav,
-                    torch.tensor([1.0, -1.0] * 8), ro.logp_behav.clone())
+        qurl.update(rl, args, _batch(ro, torch.tensor([1.0, -1.0] * 8)))
     fresh = copy.deepcopy(model)
     fresh.load_state_dict(after_first[0])
     rows = slice(8, 16)  # the second mini-batch, after the first optimizer step
     with torch.no_grad(), qurl.autocast(torch.device("cpu"), torch.bfloat16):
-        want, stale = (qurl.token_logprobs(m, ro.input_ids[rows], ro.attention_mask[rows], ro.response_mask[rows])
-                       for m in (fresh, before))
-    assert torch.equal(seen[1], want)                          # the updated model, bit for bit
-    assert (seen[1] - stale).abs().max() > 0.05                # and not the weights before the step
+        want, stale = (qurl.token_logprobs(m, ro.input_ids[rows], ro.attention_mask[rows],
+                                           ro.response_mask[rows]) for m in (fresh, before))
+    trained = seen[2]  # per mini-batch: its micro-batch's training forward, then its metrics
+    assert torch.equal(trained, want)  # the updated model, bit for bit
+    assert (trained - stale).abs().max() > 0.05  # and not the weights before the step
 
 
 def test_bf16_clip_fraction_with_several_updates_tracks_fp32(tmp_path):
-    """The issue's command: with 4 mini-batches at a high lr the PPO clip acts; bf16 must clip about as often as
-    fp32 (stale weights under autocast clipped ~8x less: 3.1 % against 26 %)."""
+    """With 4 mini-batches at a high lr the PPO clip acts; bf16 must clip about as often as fp32
+    (stale weights under autocast clipped ~8x less: 3.1 % against 26 %)."""
     clip = {}
     for dtype in ("float32", "bfloat16"):
-        qurl.train(_small_args(tmp_path, run_name=dtype, quant="none", loss="tis", mini_batches=4, lr=3e-3,
-                               eps_low=0.02, eps_high=0.02, steps=1, dtype=dtype, prompts_per_step=16, group_size=8,
-                               max_new_tokens=32, eval_size=8))
+        qurl.train(_small_args(tmp_path, run_name=dtype, quant="none", loss="tis", mini_batches=4,
+                               lr=3e-3, eps_low=0.02, eps_high=0.02, steps=1, dtype=dtype,
+                               prompts_per_step=16, group_size=8, max_new_tokens=32, eval_size=8))
         row = json.loads((tmp_path / dtype / "metrics.jsonl").read_text())
         clip[dtype] = row["clip/low"] + row["clip/high"]
     assert clip["float32"] > 0.1 and 0.5 < clip["bfloat16"] / clip["float32"] < 2, clip
@@ -1023,26 +1017,29 @@ def test_update_forwards_at_most_micro_batch_rows(tiny, problems):
     ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=8,
                      generator=torch.Generator().manual_seed(0))
     seen = []
-    hook = model.register_forward_pre_hook(lambda mod, a, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    hook = model.register_forward_pre_hook(lambda mod, a, kw: seen.append(kw["input_ids"].shape[0]),
+                                           with_kwargs=True)
     args = qurl.Args(loss="tis", micro_batch=5, mini_batches=2, ppo_epochs=2)
-    rl = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-4), model, tok, torch.Generator(),
-                      torch.float32)
-    qurl.update(rl, args, ro.input_ids, ro.attention_mask, ro.response_mask, ro.logp_behav, torch.ones(16),
-                ro.logp_behav.clone())
+    rl = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-4), model, tok,
+                      torch.Generator(), torch.float32)
+    qurl.update(rl, args, _batch(ro, torch.ones(16)))
     hook.remove()
-    assert max(seen) <= 5 and sum(seen) == 2 * 16  # two epochs over 16 rows, never more than 5 at once
+    # pi_prox of the second mini-batch (8 rows, no grad), then two epochs over 16 rows, <= 5 at once
+    assert max(seen) <= 5 and sum(seen) == 8 + 2 * 16
 
 
-def test_step_without_trainable_rows_logs_null_and_measures_the_sampler(tiny, problems):
+def test_step_without_trainable_rows_logs_null_and_measures_the_sampler(tiny, problems,
+                                                                       monkeypatch):
     import copy
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
-    actor = qurl.quantize_actor(model, "fp8")
-    rl = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-4), actor, tok, torch.Generator(),
-                      torch.float32)
+    sampler = qurl.quantize_actor(model, "fp8")
+    rl = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-4), sampler, tok,
+                      torch.Generator(), torch.float32)
     args = qurl.Args(quant="fp8", prompts_per_step=4, group_size=4, max_new_tokens=16)
-    m, _ = qurl.train_step(rl, args, problems[:4], 1, reward_fn=lambda text, gold: 0.0)  # every group all-equal
-    assert m["reward/zero_std_groups"] == 4 and m["loss/policy"] is None and m["clip/low"] is None
-    assert m["mismatch/kl"] > 0 and m["mismatch/ratio_max"] > 1   # measured on every row, before the filter
+    monkeypatch.setattr(qurl, "reward", lambda text, gold: 0.0)  # every group all-equal
+    m = qurl.train_step(rl, args, problems[:4], 1)
+    assert m["reward/zero_std_groups"] == 4 and m.get("loss/policy") is None
+    assert m["mismatch/kl"] > 0 and m["mismatch/ratio_max"] > 1  # measured on every row
 
 # ======================================================================================================================
 # The method, 7: the training loop and evaluation
@@ -1058,7 +1055,7 @@ def _small_args(tmp_path, **kw):
     ("none", "tis", {}), ("int8", "acr", {}), ("fp8", "acr", {}), ("fp8", "naive", {}), ("fp8", "tis", {}),
     ("fp8", "tbpo", {}), ("fp8", "tbpo", {"align_forward": True}), ("nf4", "naive", {}),
     ("nf4", "tbpo", {"align_forward": True, "mini_batches": 2, "dtype": "bfloat16"}),
-    ("int8", "acr", {"ppo_epochs": 2, "mini_batches": 2, "kl_coef": 0.01, "lr": 1e-3}),
+    ("int8", "acr", {"ppo_epochs": 2, "mini_batches": 2, "lr": 1e-3}),
 ])
 def test_end_to_end(tmp_path, tiny, quant, loss, extra):
     args = _small_args(tmp_path, quant=quant, loss=loss, run_name="r", **extra)
@@ -1070,7 +1067,7 @@ def test_end_to_end(tmp_path, tiny, quant, loss, extra):
         assert all(v is None or math.isfinite(v) for v in r.values())
     assert rows[-1]["eval/acc"] is not None
     assert [r["opt/lr"] for r in rows] == pytest.approx([args.lr, args.lr / 2])  # cosine, 2 steps: cos(0), cos(pi/2)
-    final = torch.load(tmp_path / "r/ckpt/state.pt", weights_only=False)["model"]
+    final = torch.load(tmp_path / "r/ckpt.pt", weights_only=False)["actor"]
     init = tiny[0].state_dict()
     assert any(not torch.equal(final[k], init[k]) for k in init)  # the weights moved
     if quant != "none":
@@ -1094,54 +1091,34 @@ def test_bf16_keeps_small_updates_and_final_is_a_standard_checkpoint(tmp_path, t
     for n in ("model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"):
         assert _rel_err(p3[n].detach(), orig[n].detach()) < 0.01  # original scale, not 1.5x
     actor = qurl.load_model(TINY, "cpu", torch.float32)[0]       # the training actor: scaled, at the last step
-    qurl.invariant_scale(actor, 1.5)
-    actor.load_state_dict(torch.load(tmp_path / "b3/ckpt/state.pt", weights_only=False)["model"])
+    qurl.invariant_rescale(actor, 1.5)
+    actor.load_state_dict(torch.load(tmp_path / "b3/ckpt.pt", weights_only=False)["actor"])
     enc = tiny[1]([qurl.format_prompt(p["question"], tiny[1]) for p in problems[:8]], return_tensors="pt",
                   padding=True)
     with torch.no_grad():
         assert _rel_err(f3(**enc).logits, actor(**enc).logits) < 1e-5
 
 
-def test_non_finite_updates_are_skipped_then_stop(tmp_path, tiny, monkeypatch):
+def test_non_finite_updates_are_skipped(tmp_path, tiny, monkeypatch):
+    """A non-finite loss never reaches the weights: the update is skipped and counted."""
     real = qurl.policy_loss
 
     def nan_loss(*a, **k):
         loss, m = real(*a, **k)
         return loss * float("nan"), m
     monkeypatch.setattr(qurl, "policy_loss", nan_loss)
-    monkeypatch.setattr(qurl, "MAX_BAD_STEPS", 2)
-    args = _small_args(tmp_path, run_name="nan", steps=6, quant="none", prompts_per_step=8)
-    with pytest.raises(qurl.QurlError, match="non-finite"):
-        qurl.train(args)
+    qurl.train(_small_args(tmp_path, run_name="nan", steps=3, quant="none", prompts_per_step=8))
     rows = _metrics(tmp_path / "nan/metrics.jsonl")
-    assert rows[0]["guard/skipped"] == 1
-    state = torch.load(tmp_path / "nan/ckpt/state.pt", weights_only=False)  # the last good checkpoint (step 1)
+    assert [row["guard/skipped"] for row in rows] == [1, 2, 3]
+    state = torch.load(tmp_path / "nan/ckpt.pt", weights_only=False)
     init = tiny[0].state_dict()
-    assert state["step"] == 1 and all(torch.equal(state["model"][k], init[k]) for k in init)
-
-
-def test_pass_at_k_by_hand(tiny, problems):
-    assert qurl.pass_at_k(10, 3, 5) == pytest.approx(1 - 21 / 252)   # 1 - C(7,5)/C(10,5)
-    assert qurl.pass_at_k(8, 0, 8) == 0.0 and qurl.pass_at_k(8, 1, 8) == 1.0 and qurl.pass_at_k(5, 2, 1) == 0.4
-    model, tok = tiny
-    r = qurl.evaluate(model, tok, problems[:40], batch_size=16, k=4, seed=3)
-    # recount: the same draws (generator seeded the same, same batches of 16 // 4 = 4 problems) by reward
-    gen, solved = torch.Generator().manual_seed(3), 0
-    for i in range(0, 40, 16):
-        chunk = problems[i:min(i + 16, 40)]
-        for j in range(0, len(chunk), 4):
-            sub = chunk[j:j + 4]
-            ro = qurl.sample(model, tok, [qurl.format_prompt(p["question"], tok) for p in sub], n=4, max_new_tokens=32,
-                             temperature=1.0, generator=gen)
-            hits = [qurl.reward(t, p["gold"]) for t, p in zip(ro.texts, (p for p in sub for _ in range(4)))]
-            solved += sum(any(hits[4 * q:4 * q + 4]) for q in range(len(sub)))
-    assert r["pass@4"] == solved / 40 and r["pass@4"] >= r["acc"] - 0.1
+    assert state["step"] == 3 and all(torch.equal(state["actor"][k], init[k]) for k in init)
 
 
 def test_evaluate_reproduces_warmup_record(tiny, problems):
     model, tok = tiny
     rec = json.loads((HERE / "data/tiny-qwen/warmup.json").read_text())
-    acc = qurl.evaluate(model, tok, problems, max_new_tokens=rec["max_new_tokens"], batch_size=100)["acc"]
+    acc = qurl.evaluate(model, tok, problems, max_new_tokens=rec["max_new_tokens"], batch_size=100)
     assert abs(acc - rec["heldout_acc_500"]) <= 2 / 500, (acc, rec["heldout_acc_500"])
 
 # ======================================================================================================================
@@ -1151,57 +1128,52 @@ def test_evaluate_reproduces_warmup_record(tiny, problems):
     ('{"question": "What is 1 + 1?", "answer": "#### 2"}\n{"question": "x", "answer": \n', [":2:", "malformed"]),
     ("", ["no problems", "empty"]),
     ('{"question": "What is 1 + 1?", "answer": "#### 2"}\n{"prompt": "x", "answer": "#### 1"}\n',
-     [":2:", "missing field 'question'"]),
+     [":2:", "--fields question,answer"]),
     ('{"question": "What is 1 + 1?", "answer": "no number here"}\n', [":1:", "does not parse"]),
 ])
 def test_bad_data_file(tmp_path, content, needles):
     f = tmp_path / "bad.jsonl"
     f.write_text(content)
-    assert_one_line_error(run_cli("--dry-run", "--train-data", str(f)), str(f), *needles)
+    res = run_cli("--steps", "0", "--train-data", str(f), "--out-dir", str(tmp_path))
+    assert_one_line_error(res, str(f), *needles)
 
 
-@pytest.mark.parametrize("suffix,content", [(".parquet", b"not a parquet file"), (".json", b"{not json")])
-def test_corrupt_parquet_or_json_one_line(tmp_path, suffix, content):
-    f = tmp_path / f"bad{suffix}"
-    f.write_bytes(content)
-    # a fresh process: the data-set library reads these files, and none of its log lines may reach the user
-    assert_one_line_error(run_cli("--dry-run", "--train-data", str(f), fresh=True), str(f), "cannot be read")
-
-
-def test_missing_data_file(tmp_path):
-    assert_one_line_error(run_cli("--dry-run", "--train-data", str(tmp_path / "nope.jsonl")), "not found")
+def test_missing_or_unknown_data_file(tmp_path):
+    missing = run_cli("--steps", "0", "--train-data", str(tmp_path / "nope.jsonl"))
+    assert_one_line_error(missing, "not found")
+    (tmp_path / "data.csv").write_text("question,answer\n")
+    unknown = run_cli("--steps", "0", "--train-data", str(tmp_path / "data.csv"))
+    assert_one_line_error(unknown, "neither a .jsonl file nor a hub name")
 
 
 @pytest.mark.parametrize("argv,needles", [
     (["--bogus-flag"], ["unrecognized arguments: --bogus-flag"]),
     (["--lr", "abc"], ["--lr", "invalid float value"]),
     (["--group-size", "1"], ["--group-size must be >= 2"]),
-    (["--temperature", "-1"], ["--temperature must be >= 0"]),
-    (["--eps-low", "1.5"], ["--eps-low must be in [0, 1)"]),
+    (["--temperature", "-1"], ["--temperature must be > 0"]),
+    (["--micro-batch", "0"], ["--micro-batch must be > 0"]),
     (["--invariant-scale", "0"], ["--invariant-scale must be > 0"]),
     (["--is-cap", "0.5"], ["--is-cap must be >= 1"]),
     (["--quant", "int4"], ["invalid choice: 'int4'"]),
-    (["--dry-run", "--model", "no/such/dir"], ["model not found"]),
-    (["--dry-run", "--model", "Qwen/Qwen2.5-0.5B-Instruct"], ["offline", "data/tiny-qwen"]),
-    (["--dry-run", "--train-data", "openai/gsm8k"], ["offline", "local"]),
-    (["--fields", "question"], ["--fields must name two fields"]),
-    (["--tbpo-band", "0", "1e-4", "1e-4"], ["--tbpo-band values must be > 0"]),
-    (["--align-forward", "--quant", "none"], ["--align-forward needs a quantizer"]),
-    (["--run-name", "..", "--overwrite"], ["--run-name must be one folder name"]),
-    (["--temperature", "0"], ["--temperature 0 (greedy) cannot train"]),
+    (["--steps", "0", "--model", "no/such/dir"], ["model not found"]),
+    (["--steps", "0", "--model", "Qwen/Qwen2.5-0.5B-Instruct"], ["offline", "data/tiny-qwen"]),
+    (["--steps", "0", "--train-data", "openai/gsm8k"], ["offline", "local"]),
+    (["--steps", "0", "--fields", "question"], ["--fields question"]),
+    (["--align-forward", "--quant", "none"], ["--align-forward needs --quant"]),
+    (["--temperature", "0"], ["--temperature must be > 0", "greedy"]),
     (["--dtype", "float16"], ["--dtype float16 is not supported", "bfloat16"]),
 ])
 def test_bad_cli_input_one_line(tmp_path, argv, needles):
-    # the ones that look for a model or data set run in a fresh process with an empty Hugging Face cache: a machine
-    # that once downloaded the hub model or data set must still see "offline"
-    env = {"HF_HOME": str(tmp_path / "hf")} if "--dry-run" in argv else {}
-    assert_one_line_error(run_cli(*argv, **env), *needles)
+    # the ones that look for a model or data set run in a fresh process with an empty Hugging Face
+    # cache: a machine that once downloaded the hub model or data set must still see "offline"
+    env = {"HF_HOME": str(tmp_path / "hf")} if "--steps" in argv else {}
+    assert_one_line_error(run_cli(*argv, "--out-dir", str(tmp_path), **env), *needles)
 
 
 @pytest.mark.parametrize("argv,expect", [
     (["--loss", "tbpo", "--eps-high", "0.3"], "--eps-high does nothing with --loss tbpo"),
     (["--loss", "naive", "--is-cap", "3"], "--is-cap does nothing with --loss naive"),
-    (["--loss", "acr"], "ACR equals TIS bit for bit"),
+    (["--loss", "acr"], "ACR equals TIS"),
     (["--loss", "tbpo"], "no sequence leaves TBPO's band"),
     (["--loss", "acr", "--tbpo-band", "1e-3", "1e-3", "1e-3"], "--tbpo-band does nothing with --loss acr"),
 ])
@@ -1212,70 +1184,28 @@ def test_flags_that_do_not_act_say_so(capsys, argv, expect):
     assert "pi_theta = pi_prox" not in capsys.readouterr().err
 
 
-def _tree(root):
-    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(Path(root).rglob("*"))}
-
-
-@pytest.mark.parametrize("name", ["..", "../x", "a/b", "", ".", "a\\b"])
-def test_run_name_is_one_folder_inside_out_dir(tmp_path, capsys, name):
-    (tmp_path / "runs").mkdir()
-    (tmp_path / "mine.txt").write_text("the user's")
-    before = _tree(tmp_path)
-    with pytest.raises(SystemExit) as e:
-        qurl.main(["--out-dir", str(tmp_path / "runs"), "--run-name", name, "--overwrite", "--steps", "1"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and "--run-name must be one folder name" in err[0], err
-    assert _tree(tmp_path) == before  # nothing created, nothing deleted
-
-
-def test_overwrite_deletes_only_qurl_runs(tmp_path, monkeypatch):
-    out = tmp_path / "X" / "runs"
-    notes = out / "notes"
-    (notes / "sub").mkdir(parents=True)
-    (notes / "todo.txt").write_text("mine")
-    (notes / "sub" / "data.csv").write_text("1,2")
-    (tmp_path / "X" / "beside.txt").write_text("mine too")
-    before = _tree(tmp_path)
-    args = _small_args(out, run_name="notes", overwrite=True, quant="none", steps=1)
-    with pytest.raises(qurl.QurlError, match="not a qurl run folder.*todo.txt.*will not delete"):
-        qurl.train(args)
-    assert _tree(tmp_path) == before
-    # a qurl run is replaced, but only after every check of the new run has passed
-    qurl.train(_small_args(out, run_name="r", quant="none", steps=1))
-    (out / "r" / "user_note.txt").write_text("added by hand")
-    assert (out / "r" / qurl.RUN_MARKER).is_file()
-    kept = _tree(tmp_path)
-    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # the new run fails in set-up, after the folder checks
-    with pytest.raises(qurl.QurlError, match="needs bitsandbytes"):
-        qurl.train(_small_args(out, run_name="r", overwrite=True, quant="int8", loss="acr", steps=1))
-    assert _tree(tmp_path) == kept
-    monkeypatch.undo()
-    qurl.train(_small_args(out, run_name="r", overwrite=True, quant="none", steps=1))
-    assert not (out / "r" / "user_note.txt").exists()
-    # everything any of these runs wrote lies inside --out-dir
-    assert {p for p in _tree(tmp_path) if not p.startswith("X/runs/r")} == set(before)
-
-
 def test_run_dir_rules(tmp_path, tiny):
     long_q = tmp_path / "long.jsonl"
     long_q.write_text(json.dumps({"question": "What is " + "1 + " * 80 + "1?", "answer": "#### 81"}) + "\n")
     out = str(tmp_path / "runs")
-    common = ["--out-dir", out, "--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-size", "4",
-              "--quant", "none"]
-    # a fresh process: the tokenizer's own "longer than the maximum" log line must not reach the user either
-    assert_one_line_error(run_cli(*common, "--train-data", str(long_q), "--run-name", "long", fresh=True),
-                          "exceeds the model's context")
+    common = ["--out-dir", out, "--steps", "1", "--prompts-per-step", "2", "--group-size", "2",
+              "--eval-size", "4", "--quant", "none"]
+    # a fresh process: the tokenizer's own "longer than the maximum" log line must not reach the user
+    res = run_cli(*common, "--train-data", str(long_q), "--run-name", "long", fresh=True)
+    assert_one_line_error(res, "exceeds the model's context")
     assert not (Path(out) / "long").exists()  # refused before anything was written
     assert run_cli(*common, "--run-name", "a").returncode == 0
     before = (Path(out) / "a/metrics.jsonl").read_text()
     assert_one_line_error(run_cli(*common, "--run-name", "a"), "already exists", "--resume")
     assert (Path(out) / "a/metrics.jsonl").read_text() == before  # nothing overwritten
+    assert run_cli(*common).returncode == 0 and run_cli(*common).returncode == 0  # a default name
+    assert {p.name for p in Path(out).iterdir()} == {"a", "none-acr-s1", "none-acr-s1-2"}  # numbered
     empty = tmp_path / "empty_run"
     empty.mkdir()
-    assert_one_line_error(run_cli(*common, "--resume", str(empty)), "no checkpoint")
+    assert_one_line_error(run_cli(*common, "--resume", str(empty)), "not a run folder")
     (empty / "args.json").write_text((Path(out) / "a/args.json").read_text())
     assert_one_line_error(run_cli(*common, "--resume", str(empty)), "no checkpoint")
-    # --resume alone continues with the run's saved flags (here --quant none, 2 prompts); typed flags override
+    # --resume alone continues with the run's saved flags (--quant none, 2 prompts); typed flags win
     res = run_cli("--resume", str(Path(out) / "a"), "--steps", "2")
     assert res.returncode == 0, res.stderr
     rows = _metrics(Path(out) / "a/metrics.jsonl")
@@ -1283,12 +1213,12 @@ def test_run_dir_rules(tmp_path, tiny):
     summary = json.loads((Path(out) / "a/summary.json").read_text())
     assert rows[1]["rollout/len_mean"] > 0 and summary["steps"] == 2
     assert summary["torch_threads"] == torch.get_num_threads()
-    ck = torch.load(Path(out) / "a/ckpt/state.pt", weights_only=False)
-    ck["model_id"]["hidden"] = 999
-    (tmp_path / "other/ckpt").mkdir(parents=True)
-    torch.save(ck, tmp_path / "other/ckpt/state.pt")
+    ckpt = torch.load(Path(out) / "a/ckpt.pt", weights_only=False)
+    ckpt["actor"]["model.norm.weight"] = torch.ones(999)  # another model's shapes
+    (tmp_path / "other").mkdir()
+    torch.save(ckpt, tmp_path / "other/ckpt.pt")
     (tmp_path / "other/args.json").write_text((Path(out) / "a/args.json").read_text())
-    assert_one_line_error(run_cli(*common, "--resume", str(tmp_path / "other")), "different model")
+    assert_one_line_error(run_cli(*common, "--resume", str(tmp_path / "other")), "not of --model")
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     assert_one_line_error(run_cli(*common, "--out-dir", str(blocker / "sub")), "cannot write")
@@ -1366,145 +1296,154 @@ def test_second_signal_aborts_at_once():
         assert e.value.code == 143
 
 
-def test_checkpoint_write_is_atomic(tmp_path, tiny, monkeypatch):
-    import copy
-    model = copy.deepcopy(tiny[0])
-    qurl.save_checkpoint(tmp_path, {"step": 7, "model": model.state_dict()})
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    """A crash while a checkpoint is written leaves the previous one whole and loadable."""
+    args = _small_args(tmp_path, run_name="c", quant="none", steps=1, eval_size=4)
+    learner, run = qurl.start_run(args)
+    run.step = 7
+    qurl.save_checkpoint(learner, run, args)
+    real_save = torch.save
 
-    def broken_save(*a, **k):
+    def disk_full(state, path):
+        Path(path).write_bytes(b"half a checkpoint")
         raise OSError("disk full")
-    monkeypatch.setattr(torch, "save", broken_save)
+    monkeypatch.setattr(torch, "save", disk_full)
+    run.step = 8
     with pytest.raises(OSError):
-        qurl.save_checkpoint(tmp_path, {"step": 8, "model": model.state_dict()})
-    assert qurl.load_checkpoint(tmp_path)["step"] == 7  # the previous checkpoint survived
+        qurl.save_checkpoint(learner, run, args)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert torch.load(tmp_path / "c/ckpt.pt", weights_only=False)["step"] == 7  # the previous one
 
 
-class _FakeTracker:
-    """Records what qurl sends to wandb (init/log/finish) or tensorboard (SummaryWriter/add_scalar/close)."""
-    def __init__(self, **kw):
-        self.kw, self.rows, self.closed = kw, {}, False
+class _FakeWandb:
+    """Records what qurl sends to wandb (init, then run.log)."""
+    def __init__(self):
+        self.kw, self.rows = None, {}
 
-    def log(self, m, step):
-        self.rows[step] = dict(m)
+    def init(self, **kw):
+        self.kw = kw
+        return self
 
-    def add_scalar(self, key, value, step):
-        self.rows.setdefault(step, {})[key] = value
-
-    def finish(self):
-        self.closed = True
-
-    close = finish
+    def log(self, values, step):
+        self.rows[step] = dict(values)
 
 
-@pytest.mark.parametrize("kind", ["wandb", "tensorboard"])
-def test_track_sends_the_metrics_jsonl_rows(tmp_path, monkeypatch, kind):
-    import types
-    made = []
-    make = lambda **kw: made.append(_FakeTracker(**kw)) or made[-1]  # noqa: E731
-    if kind == "wandb":
-        fake = types.SimpleNamespace(init=make, util=types.SimpleNamespace(generate_id=lambda: "id1"))
-        monkeypatch.setitem(sys.modules, "wandb", fake)
-    else:
-        monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=make))
-    qurl.train(_small_args(tmp_path, run_name="t", quant="fp8", track=kind))
+def test_wandb_receives_the_metrics_jsonl_rows(tmp_path, monkeypatch):
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    qurl.train(_small_args(tmp_path, run_name="t", quant="fp8", wandb=True))
     rows = [json.loads(l) for l in (tmp_path / "t/metrics.jsonl").read_text().splitlines()]
-    sent = made[0].rows
-    assert made[0].closed and sorted(sent) == [r["step"] for r in rows]
+    assert sorted(fake.rows) == [r["step"] for r in rows] and fake.kw["config"]["wandb"] is True
     for r in rows:
-        assert sent[r["step"]] == {k: v for k, v in r.items() if v is not None and k != "step"}
-    if kind == "wandb":
-        assert made[0].kw["id"] == "id1" and made[0].kw["config"]["track"] == "wandb"
-    else:
-        assert made[0].kw["log_dir"] == str(tmp_path / "t/tensorboard")
+        assert fake.rows[r["step"]] == {k: v for k, v in r.items() if v is not None and k != "step"}
 
 
-@pytest.mark.parametrize("kind,pkg", [("wandb", "wandb"), ("tensorboard", "torch.utils.tensorboard")])
-def test_track_without_its_package_is_one_line_and_writes_nothing(tmp_path, monkeypatch, kind, pkg):
-    monkeypatch.setitem(sys.modules, pkg, None)  # import raises ImportError
-    res = run_cli("--track", kind, "--out-dir", str(tmp_path), "--run-name", "x", "--mini-batches", "2")
-    line = assert_one_line_error(res, f"pip install {kind}")
+def test_wandb_without_its_package_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import raises ImportError
+    res = run_cli("--wandb", "--out-dir", str(tmp_path), "--run-name", "x", "--mini-batches", "2")
+    line = assert_one_line_error(res, "pip install wandb")
     assert res.returncode == 2 and res.stderr.strip() == line  # that line and nothing else
     assert not (tmp_path / "x").exists()
 
-# ======================================================================================================================
-# Appendix B: tools (help and dry run, benchmarks, plots)
-# ======================================================================================================================
+# ==================================================================================================
+# Tools (tools/): the dry run and its memory estimate, benchmarks, plots
+# ==================================================================================================
 def test_cli_help_and_dry_run():
     res = run_cli("--help", fresh=True)  # the real entry point
-    assert res.returncode == 0 and "--invariant-scale" in res.stdout and "rollout actor precision" in res.stdout
-    assert "\nquantized rollout:\n" in res.stdout and "\ntools instead of training:\n" in res.stdout  # sections
+    assert res.returncode == 0 and "--invariant-scale" in res.stdout and "W4A16 nf4" in res.stdout
     flags = [f for f in qurl.dataclasses.fields(qurl.Args)]
-    assert len(flags) <= 40 and res.stdout.count("\n  --") >= len(flags)
-    res = run_cli("--dry-run", "--quant", "fp8")
+    assert len(flags) <= 32 and res.stdout.count("\n  --") >= len(flags)
+    res = subprocess.run([sys.executable, str(HERE / "tools/dry_run.py"), "--quant", "fp8"],
+                         capture_output=True, text=True, cwd=HERE, timeout=120)
     assert res.returncode == 0, res.stderr
-    assert "Qwen2ForCausalLM" in res.stdout and "20000 train, 500 test" in res.stdout and "Q: What is" in res.stdout
-    assert "rollout actor (fp8)" in res.stdout and "estimated peak on cpu in float32: update" in res.stdout
+    assert "Qwen2ForCausalLM" in res.stdout and "20000 train, 500 test" in res.stdout
+    assert "Q: What is" in res.stdout and "sampler (fp8)" in res.stdout
+    assert "estimated peak on cpu in float32: update" in res.stdout
 
 
-def test_memory_estimate_terms_against_the_objects_they_count(tiny):
-    """The estimate's rollout actor is what quant_bytes measures on a real quantized actor (plus the fp32 rest);
-    its activations and logits scale as documented, and gradient checkpointing shrinks the activations."""
-    model = tiny[0]
+@pytest.fixture(scope="module")
+def dry_run():
+    return _script(HERE / "tools" / "dry_run.py", "dry_run")
+
+
+def test_memory_estimate_terms_against_the_objects_they_count(tiny, dry_run):
+    """The estimate's sampler is what quant_bytes measures on a real sampler (plus the fp32 rest);
+    its activations and logits scale as documented; gradient checkpointing shrinks activations."""
+    model, estimate = tiny[0], dry_run.estimate_memory
     n_par = sum(p.numel() for p in model.parameters())
     for fmt in ("fp8", "nf4"):
         codes, n_lin = quant_bytes(qurl.quantize_actor(model, fmt))
-        est = qurl.estimate_memory(model, 64, 20, 32, 16, False, fmt, torch.bfloat16, "cuda")
+        est = estimate(model, 64, 20, 32, 16, False, fmt, torch.bfloat16, "cuda")
         scales = codes - n_lin * (0.5 if fmt == "nf4" else 1)
-        assert abs(est["actor"] * 2**30 - (codes + 4 * (n_par - n_lin))) <= scales  # per-row scales aside (fp8)
-    a, b = (qurl.estimate_memory(model, 64, 20, 32, 16, ck, "fp8", torch.bfloat16, "cuda") for ck in (False, True))
+        # per-row scales aside (fp8)
+        assert abs(est["sampler"] * 2**30 - (codes + 4 * (n_par - n_lin))) <= scales
+    a, b = (estimate(model, 64, 20, 32, 16, ck, "fp8", torch.bfloat16, "cuda") for ck in (False, True))
     assert b["activations"] < a["activations"]
-    assert a["logits"] == b["logits"] == pytest.approx(16 * 16 * 33 * model.config.vocab_size / 2**30)  # 16 B each
-    c = qurl.estimate_memory(model, 64, 20, 32, 32, False, "fp8", torch.bfloat16, "cuda")  # twice the micro-batch
+    logits = 16 * 16 * 33 * model.config.vocab_size / 2**30  # 16 B each
+    assert a["logits"] == b["logits"] == pytest.approx(logits)
+    c = estimate(model, 64, 20, 32, 32, False, "fp8", torch.bfloat16, "cuda")  # twice the micro-batch
     assert c["activations"] == pytest.approx(2 * a["activations"]) and c["rollout"] == a["rollout"]
 
 
+def test_dry_run_meta_model_matches_the_loaded_one(tiny, dry_run):
+    model, _ = dry_run.meta_model(TINY)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    assert shapes == {n: p.shape for n, p in tiny[0].named_parameters()}
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
 def test_bench_rollout_on_the_tiny_model(tmp_path):
-    """bench.py rollout: every rollout precision as a ratio to the unquantized actor (in bf16 too: the NF4 actor once
-    crashed there), and model.generate on the same rows; one JSON row per setting, positive throughputs."""
+    """bench.py rollout: every sampler precision as a ratio to the unquantized one (in bf16 too:
+    the NF4 sampler once crashed there), and model.generate on the same rows."""
     out = tmp_path / "bench.jsonl"
-    bench = _script(HERE / ".ci" / "bench.py", "bench")  # the benchmarks: developer tools, kept out of qurl.py
-    bench.main(["rollout", "--dtype", "bfloat16", "--bench-batch", "4,8", "--max-new-tokens", "8", "--out", str(out)])
+    bench = _script(HERE / "tools" / "bench.py", "bench")
+    bench.main(["rollout", "--dtype", "bfloat16", "--bench-batch", "4,8", "--max-new-tokens", "8",
+                "--out", str(out)])
     rows = [json.loads(l) for l in out.read_text().splitlines()]
     assert [(r["quant"], r["batch"], r["dtype"]) for r in rows] == [
         (q, b, "bfloat16") for q in ("none", "int8", "fp8", "nf4") for b in (4, 8)]
-    assert all(r["tok_s"] > 0 for r in rows) and rows[0]["generate_tok_s"] > 0 and rows[0]["ratio_to_unquantized"] == 1
+    assert all(r["tok_s"] > 0 for r in rows) and rows[0]["generate_tok_s"] > 0
+    assert rows[0]["ratio_to_unquantized"] == 1
 
 
 def test_bench_train_measures_peaks_beside_the_estimate(tmp_path):
-    """bench.py train runs whole RL steps and reports the rollout's and the step's peak memory beside the estimate.
-    (The estimate is checked against measured peaks at published shapes by the commands in docs/RESULTS.md; the
-    tiny model's peaks are below the allocator's noise.) A fresh process: freed memory of other tests would serve."""
+    """bench.py train runs whole RL steps and reports the rollout's and the step's peak memory
+    beside the estimate. A fresh process: freed memory of other tests would serve."""
     out = tmp_path / "bench.jsonl"
-    res = subprocess.run([sys.executable, str(HERE / ".ci" / "bench.py"), "train", "--quant", "fp8",
-                          "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "8", "--out", str(out)],
+    res = subprocess.run([sys.executable, str(HERE / "tools" / "bench.py"), "train", "--quant", "fp8",
+                          "--model", TINY, "--prompts-per-step", "2", "--group-size", "4",
+                          "--max-new-tokens", "8", "--out", str(out)],
                          capture_output=True, text=True, cwd=HERE, timeout=300)
     assert res.returncode == 0, res.stderr
     row = json.loads(out.read_text())
-    assert row["device"].startswith("cpu") and row["rows"] == 8 and row["tok_s"] > 0 and row["step_s"] > 0
-    assert row["step_peak_gib"] > 0 and row["step_est_gib"] >= row["rollout_est_gib"] > 0
+    assert row["device"].startswith("cpu") and row["rows"] == 8 and row["tok_s"] > 0
+    assert row["step_s"] > 0 and row["step_peak_gib"] > 0
+    assert row["step_est_gib"] >= row["rollout_est_gib"] > 0
 
 
 def test_plot_writes_png(tmp_path):
-    mpl = pytest.importorskip("matplotlib", reason="matplotlib is not installed (it is in requirements.txt)")
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (it is in requirements.txt)")
     for name, quant in (("p_none", "none"), ("p_fp8", "fp8")):
         qurl.train(_small_args(tmp_path, run_name=name, quant=quant, steps=3, eval_every=1))
     out = tmp_path / "fig" / "cmp.png"
-    qurl.main(["--plot", str(tmp_path / "p_none"), str(tmp_path / "p_fp8"), "--out", str(out)])
+    plot = _script(HERE / "tools" / "plot.py", "plot")
+    plot.main([str(tmp_path / "p_none"), str(tmp_path / "p_fp8"), "--out", str(out)])
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     import matplotlib.image
     img = matplotlib.image.imread(out)
-    assert img.shape[0] > 400 and img.shape[1] > 800 and img.std() > 0.01  # a drawn figure, not a blank canvas
+    assert img.shape[0] > 400 and img.shape[1] > 800 and img.std() > 0.01  # a drawn figure
     with pytest.raises(SystemExit):
-        qurl.main(["--plot", str(tmp_path / "nope"), "--out", str(out)])
+        plot.main([str(tmp_path / "nope"), "--out", str(out)])
 
-# ======================================================================================================================
+# ==================================================================================================
 # The file itself: copyable method functions, metric names in one place
-# ======================================================================================================================
-COPYABLE = ["masked_mean", "k3", "group_advantages", "token_loss", "tbpo_loss", "policy_loss", "kl_penalty",
-            "mismatch_metrics", "int8_shift", "quantize_fp8", "quantize_int8", "quantize_nf4", "quantize", "dequantize",
-            "w8a8_matmul", "QuantLinear", "fake_quant", "aligned_linear", "rollout_aligned", "sync_weights",
-            "quantize_actor", "invariant_scale", "sample", "token_logprobs"]
+# ==================================================================================================
+COPYABLE = ["masked_mean", "k3", "group_advantages", "token_loss", "tbpo_loss", "policy_loss",
+            "mismatch_metrics", "int8_shift", "quantize_fp8", "quantize_int8", "quantize_nf4",
+            "quantize", "dequantize", "w8a8_matmul", "QuantLinear", "fake_quant", "aligned_linear",
+            "rollout_aligned", "sync_weights", "quantize_actor", "invariant_rescale", "sample",
+            "token_logprobs"]
 
 
 def test_method_functions_need_at_most_three_other_module_names():
@@ -1528,7 +1467,6 @@ def test_metric_names_defined_once_and_in_the_glossary():
     assert all(f"`{k}`" in glossary for k in qurl.METRIC_KEYS if k != "step"), \
         [k for k in qurl.METRIC_KEYS if f"`{k}`" not in glossary]
     assert len(set(qurl.METRIC_KEYS)) == len(qurl.METRIC_KEYS)
-    assert set(qurl.UPDATE_KEYS) <= set(qurl.METRIC_KEYS)
 
 # ======================================================================================================================
 # CUDA (skipped with a reason where torch sees no CUDA device)

@@ -1,9 +1,9 @@
 """Benchmarks of qurl.py: developer tools, not the method (they run its functions at given sizes and time them).
 
-    python .ci/bench.py rollout [--model-config SHAPE] [--bench-batch 64,256] [--out rows.jsonl] [qurl flags]
+    python tools/bench.py rollout [--model-config SHAPE] [--bench-batch 64,256] [--out rows.jsonl] [qurl flags]
         tokens/s of every rollout precision (the actor as in training: built from fp32 masters, run under
         autocast), as a ratio to the unquantized actor, and of transformers' model.generate on the same rows
-    python .ci/bench.py train [--model-config SHAPE] [--out rows.jsonl] [qurl flags: --quant, --prompts-per-step,
+    python tools/bench.py train [--model-config SHAPE] [--out rows.jsonl] [qurl flags: --quant, --prompts-per-step,
         --group-size, --max-new-tokens, --micro-batch, --grad-checkpointing, --dtype]
         seconds and peak memory of whole RL steps, beside qurl's `estimate_memory`
 
@@ -17,12 +17,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 import torch  # noqa: E402
 
-from qurl import (HERE, Args, Learner, QurlError, autocast, check_prompt_lengths, estimate_memory,  # noqa: E402
-                  format_prompt, load_model, load_problems, make_rollout_actor, notice, parse_args, prepare_actor,
-                  resolve_device_dtype, sample, train_step)
+import qurl  # noqa: E402
+from dry_run import estimate_memory  # noqa: E402
+from qurl import (HERE, Args, Learner, QurlError, autocast, check_prompt_lengths, format_prompt,  # noqa: E402
+                  load_model, load_problems, make_sampler, notice, parse_args, prepare_actor, resolve_device_dtype,
+                  sample, train_step)
 
 # Published architectures (config.json of each hub model), built with random weights for throughput runs:
 # model_type, hidden, layers, heads, kv heads, intermediate, vocab, tied embeddings (+ head_dim where it differs).
@@ -86,7 +88,7 @@ def bench_rollout(args: Args, opts) -> list[dict]:
     problems, rows, base = load_problems(args.test_data, "test", args.fields), [], {}
     for fmt in ("none", "int8", "fp8", "nf4"):
         try:
-            actor = make_rollout_actor(model, fmt, dtype)
+            actor = make_sampler(model, fmt, dtype)
         except QurlError as e:  # bitsandbytes missing: bench the other formats
             notice(f"bench: skipping {fmt} ({e})")
             continue
@@ -95,7 +97,7 @@ def bench_rollout(args: Args, opts) -> list[dict]:
             gen, n = torch.Generator(device=device).manual_seed(args.seed), args.max_new_tokens
             _memory(device, reset=True)
             with autocast(device, dtype):
-                t, ro = _timed(lambda: sample(actor, tok, prompts, 1, n, generator=gen, ignore_eos=True), device)
+                t, ro = _timed(lambda: sample(actor, tok, prompts, 1, n, generator=gen), device)
                 base[batch] = base.get(batch, batch * n / t)  # "none" comes first: the unquantized baseline
                 row = {"model": opts.model_config or Path(args.model).name, "quant": fmt, "dtype": str(dtype)[6:],
                        "batch": batch, "len": n, "tok_s": batch * n / t, "ratio_to_unquantized": batch * n / t /
@@ -120,7 +122,7 @@ def bench_train(args: Args, opts) -> dict:
     base = _memory(device, reset=True)
     model, tok = _bench_model(args, opts, device)
     prepare_actor(model.train(), args.grad_checkpointing)
-    rl = Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-7), make_rollout_actor(model, args.quant, dtype),
+    rl = Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-7), make_sampler(model, args.quant, dtype),
                  tok, torch.Generator(device=device).manual_seed(args.seed), dtype)
     problems = load_problems(args.test_data, "test", args.fields)[:args.prompts_per_step]
     prompts = [format_prompt(p["question"], tok) for p in problems]
@@ -130,10 +132,11 @@ def bench_train(args: Args, opts) -> dict:
         if step == 1:
             _memory(device, reset=True)
             with autocast(device, dtype):
-                sample(rl.actor, tok, prompts, args.group_size, args.max_new_tokens, generator=rl.gen, ignore_eos=True)
+                sample(rl.sampler, tok, prompts, args.group_size, args.max_new_tokens, generator=rl.generator)
             roll_peak = _memory(device) - base
             _memory(device, reset=True)
-        m, _ = train_step(rl, args, problems, step, lambda text, gold: float(coin.random() < 0.5), ignore_eos=True)
+        qurl.reward = lambda text, gold: float(coin.random() < 0.5)  # random weights: random rewards
+        m = train_step(rl, args, problems, step)
         times, tok_s = times + [m["perf/step_s"]] * (step > 0), tok_s + [m["perf/rollout_tok_s"]] * (step > 0)
     step_peak = _memory(device) - base
     P = check_prompt_lengths(model, tok, problems, args.max_new_tokens)
@@ -168,12 +171,13 @@ def _memory(device, reset: bool = False) -> float:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog=".ci/bench.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="tools/bench.py", description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("mode", choices=["rollout", "train"])
     parser.add_argument("--model-config", choices=list(MODEL_CONFIGS), help="a published shape, random weights")
     parser.add_argument("--bench-batch", default="128", help="rows per rollout batch, comma separated")
     parser.add_argument("--out", help="also append each row as a JSON line to this file")
     opts, rest = parser.parse_known_args(argv)
+    qurl.stop_token_ids = lambda model, tokenizer: []  # EOS ignored: every row samples --max-new-tokens tokens
     if not all(b.strip().isdigit() and int(b) > 0 for b in opts.bench_batch.split(",")):
         parser.error(f"--bench-batch must be positive integers separated by commas, got '{opts.bench_batch}'")
     try:

@@ -1,0 +1,85 @@
+"""The estimated peak memory of a qurl run, without loading weights: `python tools/dry_run.py [qurl flags]`.
+
+Prints the flags, the model's size, the data, one formatted prompt and `estimate_memory`'s peaks of a training
+step and of its rollout. The model is built on the meta device from its config (shapes, no memory), so a 7B model's
+estimate takes a second and no GPU.
+"""
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import qurl  # noqa: E402
+
+
+def estimate_memory(model, rows: int, prompt_len: int, new_tokens: int, micro_batch: int, grad_ckpt: bool,
+                    quant: str, dtype: torch.dtype, device_type: str = "cuda") -> dict:
+    """Estimated peak GiB of a training step's update and of its rollout from the model's shapes (meta-device will
+    do). Held: fp32 masters and AdamW's moments (12 B per parameter) and the sampler. The update adds fp32
+    gradients, autocast's bf16 weight copies, what one micro-batch keeps for backward (per token and layer 36h + 8i
+    bytes in bf16, 44h + 16i in fp32: Qwen2's saved tensors, counted) and 16 B per response logit. The rollout adds
+    the KV cache (in the compute dtype) and one decode step's logits."""
+    c = model.config
+    h, n_layers, inter, vocab = c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size
+    kv_dim = c.num_key_value_heads * (getattr(c, "head_dim", None) or h // c.num_attention_heads)
+    n_par = sum(param.numel() for param in model.parameters())
+    n_lin = sum(mod.weight.numel() for _, mod in qurl.decoder_linears(model))
+    bf16, b = dtype == torch.bfloat16, 2 if dtype == torch.bfloat16 else 4
+    if quant == "none":
+        sampler = 0  # the actor itself
+    else:  # quantized decoder linears, an fp32 copy of the rest (the CPU also keeps dequantized fp32 weights)
+        per_weight = 0.5 + 4 / qurl.NF4_BLOCK if quant == "nf4" else 1
+        sampler = 4 * (n_par - n_lin) + n_lin * per_weight + 4 * n_lin * (device_type == "cpu" and quant != "int8")
+    held = 12 * n_par + sampler
+    mb, T = min(micro_batch, rows), prompt_len + new_tokens
+    per_layer = 36 * h + 8 * inter if bf16 else 44 * h + 16 * inter
+    acts = mb * T * (8 * h + (n_layers * 4 * h + per_layer if grad_ckpt else n_layers * per_layer))
+    logits = 16 * mb * (new_tokens + 1) * vocab
+    train = held + 4 * n_par + 2 * (n_lin + vocab * h) * bf16 + acts + logits
+    rollout = held + rows * T * n_layers * 2 * kv_dim * b + rows * vocab * (b + 8)
+    return {k: v / 2**30 for k, v in dict(train=train, rollout=rollout, held=held, activations=acts,
+                                          logits=logits, sampler=sampler).items()}
+
+
+def meta_model(name: str):
+    """(model on the meta device, tokenizer): the shapes of a model folder or hub model, no weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    path = qurl.model_path(name)
+    try:
+        config, tokenizer = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        raise qurl.QurlError(f"cannot load model '{path}' (offline? try data/tiny-qwen): {str(e).splitlines()[0]}")
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config), tokenizer
+
+
+def main(argv=None) -> None:
+    args = qurl.parse_args(argv)
+    try:
+        device, dtype = qurl.resolve_device_dtype(args.dtype)
+        model, tokenizer = meta_model(args.model)
+        train_set = qurl.load_problems(args.train_data, "train", args.fields)
+        test_set = qurl.load_problems(args.test_data, "test", args.fields)
+    except qurl.QurlError as e:
+        sys.exit(f"qurl: error: {e}")
+    prompt_len = qurl.check_prompt_lengths(model, tokenizer, train_set, args.max_new_tokens)
+    rows = args.prompts_per_step * args.group_size
+    est = estimate_memory(model, rows, prompt_len, args.max_new_tokens, args.micro_batch, args.grad_checkpointing,
+                          args.quant, dtype, device.type)
+    print(json.dumps(dataclasses.asdict(args), indent=1))
+    print(f"model {args.model}: {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
+          f"parameters; sampler ({args.quant}) {est['sampler']:.3g} GiB")
+    print(f"estimated peak on {device.type} in {str(dtype)[6:]}: update {est['train']:.3g} GiB (held "
+          f"{est['held']:.3g}, activations {est['activations']:.3g}, logits {est['logits']:.3g}), rollout "
+          f"{est['rollout']:.3g} GiB; {rows} rows of {prompt_len} + {args.max_new_tokens} tokens, --micro-batch "
+          f"{args.micro_batch}{' with --grad-checkpointing' if args.grad_checkpointing else ''}")
+    print(f"problems: {len(train_set)} train, {len(test_set)} test")
+    print(f"one formatted prompt:\n{qurl.format_prompt(train_set[0]['question'], tokenizer)}\n"
+          f"(gold: {train_set[0]['gold']})")
+
+
+if __name__ == "__main__":
+    main()
