@@ -1,8 +1,8 @@
-"""Tests for qurl.py: offline, on the tiny model in data/, the whole suite in a few minutes on 2 CPU cores.
+"""Tests for qurl.py: offline, on the tiny model in data/, the whole suite in a few minutes on 2
+CPU cores.
 
-Numbers are checked against independent references: teacher-forced log-probs, model.generate, a plain fp32
-nn.Linear, hand-computed loss values and the recorded warm-up accuracy.
-"""
+Numbers are checked against independent references: teacher-forced log-probs, model.generate, a
+plain fp32 nn.Linear, hand-computed loss values and the recorded warm-up accuracy."""
 import contextlib
 import io
 import json
@@ -25,7 +25,9 @@ import qurl  # noqa: E402
 HERE = Path(__file__).resolve().parent
 TINY = str(HERE / "data" / "tiny-qwen")
 TEST = str(HERE / "data" / "arith_test.jsonl")
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none visible to torch)")
+CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (none visible to torch)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,19 +43,27 @@ def problems():
 
 @pytest.fixture(autouse=True)
 def _checkpoint_every_step(monkeypatch):
-    """Small runs write a checkpoint and a progress line at every step (the resume tests need checkpoints)."""
+    """Small runs write a checkpoint and a progress line at every step (the resume tests need
+    checkpoints)."""
     monkeypatch.setattr(qurl, "SAVE_EVERY", 1)
     monkeypatch.setattr(qurl, "LOG_EVERY", 1)
 
 
 def run_cli(*argv, fresh=False, **env_extra):
-    """`python qurl.py ARGV`: in this process through qurl.main (fast), or with fresh=True (or an environment
-    variable to set) in a new process: the real entry point, its own peak memory, and every library's log line on its
-    stderr (in this process a library's log handler keeps the stream it was created with)."""
+    """`python qurl.py ARGV`: in this process through qurl.main (fast), or with fresh=True (or an
+    environment variable to set) in a new process: the real entry point, its own peak memory, and
+    every library's log line on its stderr (in this process a library's log handler keeps the
+    stream it was created with)."""
     if fresh or env_extra:
         env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", **env_extra)
-        return subprocess.run([sys.executable, str(HERE / "qurl.py"), *argv], capture_output=True, text=True,
-                              cwd=HERE, timeout=120, env=env)
+        return subprocess.run(
+            [sys.executable, str(HERE / "qurl.py"), *argv],
+            capture_output=True,
+            text=True,
+            cwd=HERE,
+            timeout=120,
+            env=env,
+        )
     out, err, code = io.StringIO(), io.StringIO(), 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -68,14 +78,15 @@ def assert_one_line_error(res, *needles):
     assert "Traceback" not in res.stderr, res.stderr
     lines = [l for l in res.stderr.splitlines() if l.startswith("qurl: error")]
     assert len(lines) == 1, res.stderr
-    assert all(l.startswith("qurl: ") for l in res.stderr.strip().splitlines()), res.stderr  # no library's log lines
+    # no library's log lines
+    assert all(l.startswith("qurl: ") for l in res.stderr.strip().splitlines()), res.stderr
     for n in needles:
         assert n in lines[0], lines[0]
     return lines[0]
 
-# ======================================================================================================================
+# ==================================================================================================
 # The method, 1: data format and reward
-# ======================================================================================================================
+# ==================================================================================================
 REWARD_CASES = [
     ("37+48=85\n#### 85", "85", 1.0),
     ("37+48=85\n#### 86", "85", 0.0),
@@ -101,7 +112,8 @@ REWARD_CASES = [
     ("The answer is $25.", "25", 1.0),
     ("I think 3 + 4 = 7, and 7 * 2 = 14", "14", 1.0),    # last number
     ("There were 12 apples, 5 eaten, so 7 remain", "7", 1.0),
-    ("There were 12 apples, 5 eaten, so 7 remain", "12", 0.0),  # distractor number before the answer
+    # distractor number before the answer
+    ("There were 12 apples, 5 eaten, so 7 remain", "12", 0.0),
     ("We have 10 and 20 and then #### 30", "30", 1.0),         # '####' wins over earlier numbers
     ("#### 30\nbut actually 31", "30", 1.0),                   # only the '####' line counts
     ("I don't know.", "5", 0.0),                               # no answer at all
@@ -121,22 +133,27 @@ def test_reward(completion, gold, expected):
     assert qurl.reward(completion, gold) == expected
 
 
-# Five lines in GSM8K's real format (the test split: worked solution with <<calculator>> tags, '#### value').
+# Five lines in GSM8K's real format (the test split: worked solution with <<calculator>> tags, '####
+# value').
 GSM8K_FIXTURE = [
-    {"question": "Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes muffins "
-                 "for her friends every day with four. She sells the remainder at the farmers' market daily for $2 "
-                 "per fresh duck egg. How much in dollars does she make every day at the farmers' market?",
-     "answer": "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 every day "
-               "at the farmer's market.\n#### 18"},
-    {"question": "Josh decides to try flipping a house.  He buys a house for $80,000 and then puts in $50,000 in "
-                 "repairs.  This increased the value of the house by 150%.  How much profit did he make?",
-     "answer": "The cost of the house and repairs came out to 80,000+50,000=$<<80000+50000=130000>>130,000\nHe "
-               "increased the value of the house by 80,000*1.5=<<80000*1.5=120000>>120,000\nSo the new value of "
-               "the house is 120,000+80,000=$<<120000+80000=200000>>200,000\nSo he made a profit of "
+    {"question": "Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning "
+                 "and bakes muffins for her friends every day with four. She sells the remainder "
+                 "at the farmers' market daily for $2 per fresh duck egg. How much in dollars does "
+                 "she make every day at the farmers' market?",
+     "answer": "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = "
+               "$<<9*2=18>>18 every day at the farmer's market.\n#### 18"},
+    {"question": "Josh decides to try flipping a house.  He buys a house for $80,000 and then puts "
+                 "in $50,000 in repairs.  This increased the value of the house by 150%.  How much "
+                 "profit did he make?",
+     "answer": "The cost of the house and repairs came out to "
+               "80,000+50,000=$<<80000+50000=130000>>130,000\nHe increased the value of the house "
+               "by 80,000*1.5=<<80000*1.5=120000>>120,000\nSo the new value of the house is "
+               "120,000+80,000=$<<120000+80000=200000>>200,000\nSo he made a profit of "
                "200,000-130,000=$<<200000-130000=70000>>70,000\n#### 70000"},
-    {"question": "A robe takes 2 bolts of blue fiber and half that much white fiber.  How many bolts in total?",
-     "answer": "It takes 2/2=<<2/2=1>>1 bolt of white fiber\nSo the total amount of fabric is 2+1=<<2+1=3>>3 bolts "
-               "of fabric\n#### 3"},
+    {"question": "A robe takes 2 bolts of blue fiber and half that much white fiber.  How many "
+                 "bolts in total?",
+     "answer": "It takes 2/2=<<2/2=1>>1 bolt of white fiber\nSo the total amount of fabric is "
+               "2+1=<<2+1=3>>3 bolts of fabric\n#### 3"},
     {"question": "A shop sells pens at $1.25 each. How much do 6 pens cost?",
      "answer": "6 pens cost 6*1.25=<<6*1.25=7.5>>7.5\n#### 7.5"},
     {"question": "The temperature was 5 degrees and fell by 12 degrees. What is it now?",
@@ -149,7 +166,8 @@ def test_gsm8k_format_golds_parse(tmp_path):
     f.write_text("".join(json.dumps(r) + "\n" for r in GSM8K_FIXTURE))
     probs = qurl.load_problems(str(f))
     assert [p["gold"] for p in probs] == ["18", "70000", "3", "7.5", "-7"]
-    for p, r in zip(probs, GSM8K_FIXTURE):  # the full worked solution earns the reward against its own gold
+    # the full worked solution earns the reward against its own gold
+    for p, r in zip(probs, GSM8K_FIXTURE):
         assert qurl.reward(r["answer"], p["gold"]) == 1.0
 
 
@@ -157,8 +175,13 @@ def test_embedded_data_format():
     for name, n in (("arith_train.jsonl", 20_000), ("arith_test.jsonl", 500)):
         rows = [json.loads(l) for l in (HERE / "data" / name).read_text().splitlines()]
         assert len(rows) == n and all("####" in r["answer"] for r in rows)
-    train_q = {json.loads(l)["question"] for l in (HERE / "data/arith_train.jsonl").read_text().splitlines()}
-    test_q = {json.loads(l)["question"] for l in (HERE / "data/arith_test.jsonl").read_text().splitlines()}
+    train_q = {
+        json.loads(l)["question"]
+        for l in (HERE / "data/arith_train.jsonl").read_text().splitlines()
+    }
+    test_q = {
+        json.loads(l)["question"] for l in (HERE / "data/arith_test.jsonl").read_text().splitlines()
+    }
     assert not train_q & test_q
     kinds = {q.count("+") * 10 + q.count("-") + 100 * q.count("*") for q in test_q}
     assert kinds == {10, 1, 100, 11}  # a+b, a-b, a*b, a+b-c
@@ -180,12 +203,14 @@ def mt():
 
 def test_slipped_demonstrations_are_the_classic_carry_and_borrow_errors(mt):
     assert mt.slip("What is 48 + 26?") == ("48+26=64", 64)            # 8+6=14: the 1 is not carried
-    assert mt.slip("What is 52 - 27?") == ("52-27=35", 35)            # 2-7 needs a borrow: the 5 stays a 5
+    # 2-7 needs a borrow: the 5 stays a 5
+    assert mt.slip("What is 52 - 27?") == ("52-27=35", 35)
     assert mt.slip("What is 27 - 52?") == ("27-52=-35", -35)          # same slip on the magnitude
     assert mt.slip("What is 47 * 6?") == ("47*6=242", 242)            # 7*6=42: the 4 is not carried
     assert mt.slip("What is 58 + 15 - 9?") == ("58+15=63, 63-9=54", 54)
     for q in ("What is 12 + 7?", "What is 57 - 23?", "What is 41 * 2?", "What is 12 + 7 - 50?"):
-        assert mt.slip(q) is None                                      # no carry or borrow: nothing to slip
+        # no carry or borrow: nothing to slip
+        assert mt.slip(q) is None
     train = [json.loads(l) for l in (HERE / "data/arith_train.jsonl").read_text().splitlines()]
     demos = mt.noisy_demonstrations(train)
     eligible = [i for i, p in enumerate(train) if mt.slip(p["question"])]
@@ -197,13 +222,22 @@ def test_slipped_demonstrations_are_the_classic_carry_and_borrow_errors(mt):
 
 
 def test_warm_start_answers_with_the_slip(tiny, problems, mt):
-    """The documented starting point: on problems with a carry or a borrow, the warm start's greedy answer is mostly
-    the slipped one, so RL has an error to remove (README: 64 % of them at the warm start)."""
+    """The documented starting point: on problems with a carry or a borrow, the warm start's
+    greedy answer is mostly the slipped one, so RL has an error to remove (README: 64 % of them
+    at the warm start)."""
     model, tok = tiny
     elig = [p for p in problems if mt.slip(p["question"])][:100]
-    ro = qurl.sample(model, tok, [qurl.format_prompt(p["question"], tok) for p in elig], n=1, max_new_tokens=32,
-                     temperature=0.0)
-    as_slip = sum(qurl.reward(t, str(mt.slip(p["question"])[1])) for t, p in zip(ro.texts, elig)) / len(elig)
+    ro = qurl.sample(
+        model,
+        tok,
+        [qurl.format_prompt(p["question"], tok) for p in elig],
+        n=1,
+        max_new_tokens=32,
+        temperature=0.0,
+    )
+    as_slip = sum(
+        qurl.reward(t, str(mt.slip(p["question"])[1])) for t, p in zip(ro.texts, elig)
+    ) / len(elig)
     right = sum(qurl.reward(t, p["gold"]) for t, p in zip(ro.texts, elig)) / len(elig)
     assert as_slip > 0.4 and right < 0.2, (as_slip, right)
 
@@ -229,15 +263,23 @@ def test_format_prompt_plain_and_chat(tiny):
             return "|".join(f"{m['role']}:{m['content']}" for m in msgs) + "|assistant:"
 
     out = qurl.format_prompt("What is 1 + 1?", Chat())
-    assert out.startswith("system:") and "####" in out and out.endswith("user:What is 1 + 1?|assistant:")
+    assert (
+        out.startswith("system:")
+        and "####" in out
+        and out.endswith("user:What is 1 + 1?|assistant:")
+    )
 
-# ======================================================================================================================
-# The method, 2: quantization (against bitsandbytes' own dequantize, a hand NF4 table and a plain fp32 linear)
-# ======================================================================================================================
+# ==================================================================================================
+# The method, 2: quantization (against bitsandbytes' own dequantize, a hand NF4 table and a plain
+# fp32 linear)
+# ==================================================================================================
 def quant_bytes(q_model) -> tuple[int, int]:
-    """(bytes of weight codes + their scales (row scales, or NF4's block absmax), weights they replace)."""
+    """(bytes of weight codes + their scales (row scales, or NF4's block absmax), weights they
+    replace)."""
     qls = [mod for mod in q_model.modules() if isinstance(mod, qurl.QuantLinear)]
-    codes = sum(q.weight_q.numel() * q.weight_q.element_size() + q.weight_scale.numel() * 4 for q in qls)
+    codes = sum(
+        q.weight_q.numel() * q.weight_q.element_size() + q.weight_scale.numel() * 4 for q in qls
+    )
     return codes, sum(q.in_features * q.out_features for q in qls)
 
 
@@ -257,11 +299,16 @@ def _rel_err(y, ref):
 
 
 # Bounds (relative Frobenius error of the output, excluding the exact bias):
-#  FP8 e4m3: 3 mantissa bits, so round-to-nearest leaves a relative error uniform within +-2^-4 of the binade base,
-#  RMS about 2^-4/sqrt(3) * 0.75 ~ 2.7 % per factor; weight and activation errors add in quadrature: ~3.8 %. Bound 5 %.
-#  INT8 absmax: step = absmax/127, RMS error step/sqrt(12); a Gaussian row of 512 has absmax ~3.3 sigma, so ~0.75 %
-#  per factor of the typical entry; activation outlier channels raise the activation step (absmax ~8x3 sigma):
-#  ~2 %, in quadrature ~2.2 %. Bound 3 %. Each also has a floor: no quantization at all would fail it.
+#  FP8 e4m3: 3 mantissa bits, so round-to-nearest leaves a relative error uniform within +-2^-4 of
+# the binade base,
+#  RMS about 2^-4/sqrt(3) * 0.75 ~ 2.7 % per factor; weight and activation errors add in quadrature:
+# ~3.8 %. Bound 5 %.
+#  INT8 absmax: step = absmax/127, RMS error step/sqrt(12); a Gaussian row of 512 has absmax ~3.3
+# sigma, so ~0.75 %
+#  per factor of the typical entry; activation outlier channels raise the activation step (absmax
+# ~8x3 sigma):
+#  ~2 %, in quadrature ~2.2 %. Bound 3 %. Each also has a floor: no quantization at all would fail
+# it.
 @pytest.mark.parametrize("fmt,bound,floor", [("fp8", 0.05, 0.005), ("int8", 0.03, 0.002)])
 def test_quantlinear_vs_fp32(fmt, bound, floor):
     lin, x = _realistic_linear()
@@ -294,8 +341,8 @@ def test_fp8_scaled_mm_and_emulation_agree():
 
 
 def test_fp8_kernel_choice_says_when_the_gpu_cannot_run_scaled_mm(monkeypatch):
-    """_scaled_mm needs CUDA compute capability 8.9+ and dims that are multiples of 16; elsewhere the
-    emulation, with one warning that names the reason."""
+    """_scaled_mm needs CUDA compute capability 8.9+ and dims that are multiples of 16; elsewhere
+    the emulation, with one warning that names the reason."""
     import types
     gpu = types.SimpleNamespace(is_cuda=True, device="cuda:0", shape=(64, 32))
     for capability, shape, want in (((9, 0), (64, 32), "scaled_mm"), ((8, 0), (64, 32), "emulate"),
@@ -313,7 +360,9 @@ def test_quantize_fp8_clamps_and_scales():
     w = torch.tensor([[1000.0, -2.0, 0.5], [0.0, 0.0, 0.0]])
     w8, s = qurl.quantize_fp8(w)
     assert w8.dtype == torch.float8_e4m3fn and torch.isfinite(w8.float()).all()
-    assert math.isclose(s[0].item(), 1000.0 / 448, rel_tol=1e-6) and w8[0, 0].float().item() == 448.0
+    assert (
+        math.isclose(s[0].item(), 1000.0 / 448, rel_tol=1e-6) and w8[0, 0].float().item() == 448.0
+    )
     assert (w8[1].float() == 0).all()
 
 
@@ -321,29 +370,41 @@ def test_quantize_fp8_clamps_and_scales():
 def test_quantized_tiny_model_close(tiny, problems, fmt):
     model, tok = tiny
     q = qurl.quantize_actor(model, fmt)
-    assert sum(isinstance(m, qurl.QuantLinear) for m in q.modules()) == 14  # 7 linears x 2 layers; lm_head stays
-    enc = tok([qurl.format_prompt(p["question"], tok) for p in problems[:16]], return_tensors="pt", padding=True)
+    # 7 linears x 2 layers; lm_head stays
+    assert sum(isinstance(m, qurl.QuantLinear) for m in q.modules()) == 14
+    enc = tok(
+        [qurl.format_prompt(p["question"], tok) for p in problems[:16]],
+        return_tensors="pt",
+        padding=True,
+    )
     with torch.no_grad():
         lf, lq = model(**enc).logits, q(**enc).logits
     m = enc["attention_mask"].bool()
     assert _rel_err(lq[m], lf[m]) < 0.05
-    ro_f = qurl.sample(model, tok, [qurl.format_prompt(p["question"], tok) for p in problems[:100]], 1, 32, 0)
-    ro_q = qurl.sample(q, tok, [qurl.format_prompt(p["question"], tok) for p in problems[:100]], 1, 32, 0)
+    ro_f = qurl.sample(
+        model, tok, [qurl.format_prompt(p["question"], tok) for p in problems[:100]], 1, 32, 0
+    )
+    ro_q = qurl.sample(
+        q, tok, [qurl.format_prompt(p["question"], tok) for p in problems[:100]], 1, 32, 0
+    )
     agree = sum(a == b for a, b in zip(ro_f.texts, ro_q.texts))
     assert agree >= 80, agree
     codes, n = quant_bytes(q)
     assert n > 4e5 and codes < 1.05 * n  # 1 byte per weight plus per-row scales
 
 
-# NF4 levels as QLoRA publishes them (normal quantiles scaled to [-1, 1]); written out, not taken from bitsandbytes
-NF4_LEVELS = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-                           -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-                           0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-                           0.7229568362236023, 1.0])
+# NF4 levels as QLoRA publishes them (normal quantiles scaled to [-1, 1]); written out, not taken
+# from bitsandbytes
+NF4_LEVELS = torch.tensor([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0])
 
 
 def _ref_nf4(w):
-    """Blocks of 64 weights (row-major), each scaled by its absmax and rounded to the nearest NF4 level."""
+    """Blocks of 64 weights (row-major), each scaled by its absmax and rounded to the nearest NF4
+    level."""
     blocks = w.detach().reshape(-1, 64)
     absmax = blocks.abs().amax(1, keepdim=True)
     idx = ((blocks / absmax)[..., None] - NF4_LEVELS).abs().argmin(-1)
@@ -361,14 +422,20 @@ def test_nf4_equals_bitsandbytes_per_layer(tiny, problems):
     for name, ql in qls:
         w = fp[name].weight.detach()
         packed, state = bnbF.quantize_4bit(w, blocksize=64, quant_type="nf4")
-        assert torch.equal(ql.weight_deq, bnbF.dequantize_4bit(packed, state))   # bitsandbytes' own dequantize
-        ref = _ref_nf4(w)                                                         # the format by hand
+        # bitsandbytes' own dequantize
+        assert torch.equal(ql.weight_deq, bnbF.dequantize_4bit(packed, state))
+        # the format by hand
+        ref = _ref_nf4(w)
         assert (ql.weight_deq != ref).float().mean() < 1e-3 and _rel_err(ql.weight_deq, ref) < 1e-3
         xi = torch.randn(5, ql.in_features)
-        torch.testing.assert_close(ql(xi), torch.nn.functional.linear(xi, ref, fp[name].bias), rtol=1e-2, atol=1e-3)
-    assert 0.05 < _rel_err(qls[0][1].weight_deq, fp[qls[0][0]].weight.detach()) < 0.15  # 4 bits: ~9 % error
+        torch.testing.assert_close(
+            ql(xi), torch.nn.functional.linear(xi, ref, fp[name].bias), rtol=1e-2, atol=1e-3
+        )
+    # 4 bits: ~9 % error
+    assert 0.05 < _rel_err(qls[0][1].weight_deq, fp[qls[0][0]].weight.detach()) < 0.15
     codes, n = quant_bytes(q)
-    assert codes == n // 2 + n // 64 * 4  # half a byte per weight plus one fp32 absmax per block of 64
+    # half a byte per weight plus one fp32 absmax per block of 64
+    assert codes == n // 2 + n // 64 * 4
 
 
 def test_nf4_flip_rate_counts_codes_not_values():
@@ -379,9 +446,11 @@ def test_nf4_flip_rate_counts_codes_not_values():
     before = q.weight_deq.clone()
     with torch.no_grad():
         i = lin.weight[0, :64].abs().argmax()
-        lin.weight[0, i] *= 1.01     # the block's absmax moves by 1 %: every value of the block moves, few codes
+        # the block's absmax moves by 1 %: every value of the block moves, few codes
+        lin.weight[0, i] *= 1.01
     flipped = q.load_weight(lin.weight)
-    assert (q.weight_deq != before).sum() >= 50 and flipped <= 4, flipped  # (codes at level 0 stay 0)
+    # (codes at level 0 stay 0)
+    assert (q.weight_deq != before).sum() >= 50 and flipped <= 4, flipped
     assert q.load_weight(lin.weight) == 0
 
 
@@ -405,15 +474,21 @@ def test_sync_weights_flip_rate(tiny, fmt):
     assert 0 < flip < 1
     fresh = qurl.quantize_actor(model, fmt)
     for (n1, b1), (n2, b2) in zip(q.state_dict().items(), fresh.state_dict().items()):
-        assert n1 == n2 and torch.equal(b1.view(torch.uint8) if b1.dtype == torch.float8_e4m3fn else b1,
-                                        b2.view(torch.uint8) if b2.dtype == torch.float8_e4m3fn else b2), n1
+        assert n1 == n2 and torch.equal(
+            b1.view(torch.uint8) if b1.dtype == torch.float8_e4m3fn else b1,
+            b2.view(torch.uint8) if b2.dtype == torch.float8_e4m3fn else b2,
+        ), n1
     assert qurl.sync_weights(q, model) == 0.0
 
 
 def test_invariant_scale_preserves_function_and_raises_flip_rate(tiny, problems):
     import copy
     model, tok = tiny
-    enc = tok([qurl.format_prompt(p["question"], tok) for p in problems[:8]], return_tensors="pt", padding=True)
+    enc = tok(
+        [qurl.format_prompt(p["question"], tok) for p in problems[:8]],
+        return_tensors="pt",
+        padding=True,
+    )
     scaled = copy.deepcopy(model)
     qurl.invariant_rescale(scaled, 1.5)
     q_w = lambda m: m.model.layers[0].self_attn.q_proj.weight  # noqa: E731
@@ -421,7 +496,10 @@ def test_invariant_scale_preserves_function_and_raises_flip_rate(tiny, problems)
     with torch.no_grad():
         ref, out = model(**enc).logits, scaled(**enc).logits
         assert _rel_err(out, ref) <= 1e-5
-        q_ref, q_out = qurl.quantize_actor(model, "fp8")(**enc).logits, qurl.quantize_actor(scaled, "fp8")(**enc).logits
+        q_ref, q_out = (
+            qurl.quantize_actor(model, "fp8")(**enc).logits,
+            qurl.quantize_actor(scaled, "fp8")(**enc).logits,
+        )
         assert _rel_err(q_out, q_ref) < 2e-3  # same codes; only rounding of W/s and s*x differs
     flips = []
     for m in (copy.deepcopy(model), scaled):
@@ -439,7 +517,8 @@ def test_invariant_scale_refuses_unknown_layers():
 
 
 def _ref_fake_quant(x, fmt):
-    """Quantize-dequantize written from the formats' definitions, per row, in float64 where it is exact."""
+    """Quantize-dequantize written from the formats' definitions, per row, in float64 where it is
+    exact."""
     if fmt == "fp8":
         s = x.double().abs().amax(-1, keepdim=True).clamp(min=1e-12).float() / 448.0
         return (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).double() * s.double()
@@ -457,37 +536,45 @@ def test_aligned_linear_value_is_the_samplers_kernel(fmt, dtype):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
         y_q = q(x)
         y_a = qurl.aligned_linear(lin, fmt, x)
-    assert y_a.dtype == dtype and torch.equal(y_a, y_q)  # bit for bit, in fp32 and under bf16 autocast
+    # bit for bit, in fp32 and under bf16 autocast
+    assert y_a.dtype == dtype and torch.equal(y_a, y_q)
     y_a.double().sum().backward()
     # straight-through: d sum(y) / dW = sum_rows fq(x), d sum(y) / dx = sum_out fq(W)
     gw = _ref_fake_quant(x.detach(), fmt).sum(0).expand_as(lin.weight)
     gx = _ref_fake_quant(lin.weight.detach(), fmt).sum(0).expand_as(x)
-    # bf16 autocast rounds the gradient matmuls' operands; bnb's INT8 rounding differs from round-half-even on a few
+    # bf16 autocast rounds the gradient matmuls' operands; bnb's INT8 rounding differs from round-
+    # half-even on a few
     # codes (one step of a code is ~1 % of it, so an un-quantized gradient would still fail 1e-3)
     tol = 2e-2 if dtype != torch.float32 else 1e-5 if fmt == "fp8" else 1e-3
     assert _rel_err(lin.weight.grad.double(), gw) < tol and _rel_err(x.grad.double(), gx) < tol
 
 
 def test_int8_massive_activations_stay_finite():
-    """Real checkpoints carry activations of 1e4-1e5 in a few channels; bitsandbytes takes fp16 (max 65504)."""
+    """Real checkpoints carry activations of 1e4-1e5 in a few channels; bitsandbytes takes fp16
+    (max 65504)."""
     lin, x = _realistic_linear()
     x[:3, 7] = torch.tensor([7e4, -2e5, 1e6])
     y, ref = qurl.QuantLinear(lin, "int8")(x), lin(x)
     assert torch.isfinite(y).all() and _rel_err(y - lin.bias, ref - lin.bias) < 0.03
-    torch.testing.assert_close(y[3:], qurl.QuantLinear(lin, "int8")(x[3:]))  # other tokens: bnb's plain path
+    # other tokens: bnb's plain path
+    torch.testing.assert_close(y[3:], qurl.QuantLinear(lin, "int8")(x[3:]))
 
 
 def test_int8_aligned_forward_survives_massive_activations():
-    """The aligned forward's straight-through path quantizes activations as the sampler does (power-of-2 shift
-    into fp16's range): an activation of 1.5e5 gives the sampler's value and a finite gradient."""
+    """The aligned forward's straight-through path quantizes activations as the sampler does
+    (power-of-2 shift into fp16's range): an activation of 1.5e5 gives the sampler's value and a
+    finite gradient."""
     lin, x = _realistic_linear()
     x[0, 5] = 1.5e5
     x.requires_grad_(True)
     y = qurl.aligned_linear(lin, "int8", x)
-    assert torch.isfinite(y).all() and torch.equal(y.detach(), qurl.QuantLinear(lin, "int8")(x.detach()))
+    assert torch.isfinite(y).all() and torch.equal(
+        y.detach(), qurl.QuantLinear(lin, "int8")(x.detach())
+    )
     y.sum().backward()
     assert torch.isfinite(x.grad).all() and torch.isfinite(lin.weight.grad).all()
-    # d sum(y) / dW = sum over rows of fq(x): row 0 quantized at 4 times its scale (shift 4 = 2^ceil(log2(1.5e5/2^14)))
+    # d sum(y) / dW = sum over rows of fq(x): row 0 quantized at 4 times its scale (shift 4 =
+    # 2^ceil(log2(1.5e5/2^14)))
     # rather than overflowing fp16, so it matches the definition applied to x / 4
     fq0 = _ref_fake_quant(x.detach()[:1] / 4, "int8") * 4
     want = fq0 + _ref_fake_quant(x.detach()[1:], "int8").sum(0, keepdim=True)
@@ -497,8 +584,9 @@ def test_int8_aligned_forward_survives_massive_activations():
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("fmt", ["none", "fp8", "int8", "nf4"])
 def test_every_rollout_precision_samples_in_bf16(tiny, problems, fmt, autocast):
-    """The sampler's actor in bf16: a bf16 model (no autocast, as --bench-quant ran it) or fp32 masters under bf16
-    autocast (training). Its log-probs agree with the fp32 actor's teacher forcing to quantization noise."""
+    """The sampler's actor in bf16: a bf16 model (no autocast, as --bench-quant ran it) or fp32
+    masters under bf16 autocast (training). Its log-probs agree with the fp32 actor's teacher
+    forcing to quantization noise."""
     import copy
     model, tok = tiny
     base = copy.deepcopy(model) if autocast else copy.deepcopy(model).to(torch.bfloat16)
@@ -515,13 +603,17 @@ def test_every_rollout_precision_samples_in_bf16(tiny, problems, fmt, autocast):
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "nf4"])
 def test_aligned_forward_matches_quantized_actor(tiny, problems, fmt, autocast):
-    """The rollout actor and the aligned fp actor agree bit for bit, in fp32 and under bf16 autocast (the actor's
-    full-precision parts run under the same autocast as the learner)."""
+    """The rollout actor and the aligned fp actor agree bit for bit, in fp32 and under bf16
+    autocast (the actor's full-precision parts run under the same autocast as the learner)."""
     import copy
     model, tok = tiny
     model = copy.deepcopy(model)
     q = qurl.quantize_actor(model, fmt)
-    enc = tok([qurl.format_prompt(p["question"], tok) for p in problems[:8]], return_tensors="pt", padding=True)
+    enc = tok(
+        [qurl.format_prompt(p["question"], tok) for p in problems[:8]],
+        return_tensors="pt",
+        padding=True,
+    )
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         with torch.no_grad():
             lq, lf = q(**enc).logits, model(**enc).logits
@@ -534,12 +626,13 @@ def test_aligned_forward_matches_quantized_actor(tiny, problems, fmt, autocast):
     assert g is not None and g.abs().sum() > 0  # straight-through gradient reaches the fp weights
     assert type(model.model.layers[0].mlp.down_proj).forward is torch.nn.Linear.forward
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        torch.testing.assert_close(model(**enc).logits, lf)  # the context restored the plain forward
+        # the context restored the plain forward
+        torch.testing.assert_close(model(**enc).logits, lf)
 
 
-# ======================================================================================================================
+# ==================================================================================================
 # The method, 3 and 4: rollout and log-probs (against teacher-forced log-probs and model.generate)
-# ======================================================================================================================
+# ==================================================================================================
 def _mixed_prompts(tok, problems, k=6):
     prompts = [qurl.format_prompt(p["question"], tok) for p in problems[:k]]
     prompts[0] = "Q: What is 1 + 2?\nA: "  # a short prompt among long ones: real left padding
@@ -554,7 +647,9 @@ def test_logp_behav_equals_teacher_forced(tiny, problems, temperature):
     ro = qurl.sample(model, tok, prompts, n=4, max_new_tokens=32, temperature=temperature,
                      generator=torch.Generator().manual_seed(0))
     assert (ro.attention_mask[:, :ro.prompt_len] == 0).any()  # some rows are left-padded
-    lp = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask, temperature, micro_batch=7)
+    lp = qurl.token_logprobs(
+        model, ro.input_ids, ro.attention_mask, ro.response_mask, temperature, micro_batch=7
+    )
     diff = ((lp - ro.logp_behav) * ro.response_mask).abs().max().item()
     assert diff < 1e-5, diff
     assert ro.response_mask.sum() > 100
@@ -574,37 +669,55 @@ def test_greedy_matches_generate(tiny, problems):
 
 
 def test_sampler_compat_refuses_a_model_that_ignores_the_cache(tiny, problems):
-    """transformers releases before 5.24 ignore `cache=`, later ones may drop `past_key_values=`: a decode without
-    its cache would be garbage with no error, so the sampler checks the cache after prefill and names the version."""
+    """transformers releases before 5.24 ignore `cache=`, later ones may drop `past_key_values=`:
+    a decode without its cache would be garbage with no error, so the sampler checks the cache
+    after prefill and names the version."""
     import transformers
     model, tok = tiny
 
     class NoCache(torch.nn.Module):  # a forward that swallows both cache keywords, as **kwargs do
         def __init__(self):
             super().__init__()
-            self.inner, self.config, self.generation_config = model, model.config, model.generation_config
+            self.inner, self.config, self.generation_config = (
+                model,
+                model.config,
+                model.generation_config,
+            )
 
         def forward(self, **kw):
             kw.pop("cache", None), kw.pop("past_key_values", None)
             return self.inner(**kw)
 
-    with pytest.raises(RuntimeError, match=f"did not fill the KV cache \\(transformers {transformers.__version__}"):
-        qurl.sample(NoCache(), tok, _mixed_prompts(tok, problems), n=2, max_new_tokens=4, temperature=0)
+    with pytest.raises(
+        RuntimeError, match=f"did not fill the KV cache \\(transformers {transformers.__version__}"
+    ):
+        qurl.sample(
+            NoCache(), tok, _mixed_prompts(tok, problems), n=2, max_new_tokens=4, temperature=0
+        )
 
 
 def test_eos_mask_by_position(tiny, problems):
     model, tok = tiny
-    ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 8), n=8, max_new_tokens=40, temperature=1.0,
-                     generator=torch.Generator().manual_seed(3))
+    ro = qurl.sample(
+        model,
+        tok,
+        _mixed_prompts(tok, problems, 8),
+        n=8,
+        max_new_tokens=40,
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(3),
+    )
     resp = ro.input_ids[:, ro.prompt_len:]
     lengths = ro.response_mask.sum(1).long()
-    assert lengths.min() < lengths.max()  # rows finished at different steps (some were dropped early)
+    # rows finished at different steps (some were dropped early)
+    assert lengths.min() < lengths.max()
     eos = tok.eos_token_id
     for i in range(resp.shape[0]):
         L = int(lengths[i])
         assert ro.response_mask[i, :L].eq(1).all() and ro.response_mask[i, L:].eq(0).all()
         if not ro.truncated[i]:
-            assert resp[i, L - 1] == eos                     # the EOS itself is in the mask (pad == eos)
+            # the EOS itself is in the mask (pad == eos)
+            assert resp[i, L - 1] == eos
             assert eos not in resp[i, :L - 1].tolist()      # and it is the first one
             assert ro.logp_behav[i, L - 1] < 0              # with its log-prob recorded
         assert ro.logp_behav[i, L:].eq(0).all()
@@ -614,17 +727,22 @@ def test_eos_mask_by_position(tiny, problems):
 def test_same_seed_same_samples(tiny, problems):
     model, tok = tiny
     prompts = _mixed_prompts(tok, problems, 4)
-    a, b, c = (qurl.sample(model, tok, prompts, n=4, max_new_tokens=24, generator=torch.Generator().manual_seed(s))
-               for s in (5, 5, 6))
+    a, b, c = (
+        qurl.sample(
+            model, tok, prompts, n=4, max_new_tokens=24, generator=torch.Generator().manual_seed(s)
+        )
+        for s in (5, 5, 6)
+    )
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.logp_behav, b.logp_behav)
     assert a.input_ids.shape != c.input_ids.shape or not torch.equal(a.input_ids, c.input_ids)
 
 
 def test_first_token_distribution(tiny):
-    """8000 first tokens vs softmax(logits / T): every frequent token within 5 sigma and the total variation small,
-    while the distribution at the wrong temperature is clearly rejected."""
+    """8000 first tokens vs softmax(logits / T): every frequent token within 5 sigma and the
+    total variation small, while the distribution at the wrong temperature is clearly rejected."""
     model, tok = tiny
-    prompt, T, N = "Q: What is 57 * 8?\nA: 57*8=", 2.0, 8000  # the first digit of the product is uncertain
+    # the first digit of the product is uncertain
+    prompt, T, N = "Q: What is 57 * 8?\nA: 57*8=", 2.0, 8000
     ro = qurl.sample(model, tok, [prompt], n=N, max_new_tokens=1, temperature=T,
                      generator=torch.Generator().manual_seed(0))
     first = ro.input_ids[:, ro.prompt_len]
@@ -632,7 +750,8 @@ def test_first_token_distribution(tiny):
     with torch.no_grad():
         logits = model(**tok([prompt], return_tensors="pt")).logits[0, -1].double()
     p = torch.softmax(logits / T, -1)
-    assert p.max() < 0.8 and (p > 0.02).sum() >= 3  # a spread distribution: the test cannot pass by accident
+    # a spread distribution: the test cannot pass by accident
+    assert p.max() < 0.8 and (p > 0.02).sum() >= 3
     sigma = (p * (1 - p) / N).sqrt()
     big = p > 0.005
     assert ((emp - p).abs()[big] <= 5 * sigma[big]).all()
@@ -648,20 +767,25 @@ def test_sample_pads_left_whatever_the_tokenizer_says(tiny, problems):
     right = copy.deepcopy(tok)
     right.padding_side = "right"
     prompts = _mixed_prompts(tok, problems, 4)
-    a, b = (qurl.sample(model, t, prompts, n=2, max_new_tokens=8, generator=torch.Generator().manual_seed(1))
-            for t in (tok, right))
+    a, b = (
+        qurl.sample(
+            model, t, prompts, n=2, max_new_tokens=8, generator=torch.Generator().manual_seed(1)
+        )
+        for t in (tok, right)
+    )
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.logp_behav, b.logp_behav)
 
-# ======================================================================================================================
+# ==================================================================================================
 # The method, 5: advantages and losses (hand-computed references and an independent oracle)
-# ======================================================================================================================
+# ==================================================================================================
 def test_group_advantages():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
     adv, zero = qurl.group_advantages(r, 4)
     s = math.sqrt(1 / 3)  # unbiased std of (1, 0, 0, 1): sqrt(4 * 0.25 / 3)
     torch.testing.assert_close(adv[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (s + 1e-6))
     assert adv[4:8].eq(0).all() and zero == 1
-    m, sd = 0.25, math.sqrt(0.75 / 3)  # (0, 0, 0, 1): mean 0.25, unbiased variance (3 * 0.0625 + 0.5625) / 3
+    # (0, 0, 0, 1): mean 0.25, unbiased variance (3 * 0.0625 + 0.5625) / 3
+    m, sd = 0.25, math.sqrt(0.75 / 3)
     torch.testing.assert_close(adv[8:], torch.tensor([-m, -m, -m, 1 - m]) / (sd + 1e-6))
 
 
@@ -696,22 +820,28 @@ def test_tis_by_hand():
     loss, grad, m = _loss("tis")
     assert math.isclose(loss, expected, rel_tol=1e-9)
     # clipped tokens get no gradient; unclipped: d/dlogp of -w R A = -w R A / 4
-    torch.testing.assert_close(grad, torch.tensor([[0.0, -e(-0.2) / 4], [0.0, 2.0 / 4]], dtype=torch.float64))
+    torch.testing.assert_close(
+        grad, torch.tensor([[0.0, -e(-0.2) / 4], [0.0, 2.0 / 4]], dtype=torch.float64)
+    )
     assert m["clip/high"] == 0.25 and m["clip/low"] == 0.25
 
 
 def test_naive_by_hand():
     e = math.exp
-    # ratio = pi_theta / pi_behav: e^0.8 (clip 1.28), e^-0.2, e^-0.5 (A<0, clip 0.8), e^1 (A<0: -min(-e, -1.28) = e)
+    # ratio = pi_theta / pi_behav: e^0.8 (clip 1.28), e^-0.2, e^-0.5 (A<0, clip 0.8), e^1 (A<0:
+    # -min(-e, -1.28) = e)
     expected = (-1.28 - e(-0.2) + 0.8 + e(1.0)) / 4
     loss, grad, _ = _loss("naive")
     assert math.isclose(loss, expected, rel_tol=1e-9)
-    torch.testing.assert_close(grad, torch.tensor([[0.0, -e(-0.2) / 4], [0.0, e(1.0) / 4]], dtype=torch.float64))
+    torch.testing.assert_close(
+        grad, torch.tensor([[0.0, -e(-0.2) / 4], [0.0, e(1.0) / 4]], dtype=torch.float64)
+    )
 
 
 def test_acr_widens_upper_bound_only_where_truncated():
     e = math.exp
-    # one token: pi_prox / pi_behav = e > C = 2 (w truncated to 2), R = e^0.5 = 1.6487 > 1.28, A = +1
+    # one token: pi_prox / pi_behav = e > C = 2 (w truncated to 2), R = e^0.5 = 1.6487 > 1.28, A =
+    # +1
     kw = dict(lp=[[-0.5]], prox=[[-1.0]], behav=[[-2.0]], adv=[1.0])
     tis, _, _ = _loss("tis", **kw)
     acr, g, m = _loss("acr", **kw)
@@ -725,7 +855,10 @@ def test_acr_widens_upper_bound_only_where_truncated():
 def test_acr_equals_tis_within_cap():
     g = torch.Generator().manual_seed(0)
     behav = torch.randn(4, 6, generator=g, dtype=torch.float64) - 2
-    prox = behav + torch.rand(4, 6, generator=g, dtype=torch.float64) * math.log(2) * 2 - math.log(2)  # ratio <= 2
+    # ratio <= 2
+    prox = (
+        behav + torch.rand(4, 6, generator=g, dtype=torch.float64) * math.log(2) * 2 - math.log(2)
+    )
     lp = prox + 0.3 * torch.randn(4, 6, generator=g, dtype=torch.float64)
     adv = [1.0, -1.0, 0.5, -2.0]
     a, ga, _ = _loss("acr", lp=lp.tolist(), prox=prox.tolist(), behav=behav.tolist(), adv=adv)
@@ -742,15 +875,22 @@ def test_masked_tokens_leave_denominator():
     assert loss == 0.0 and grad.abs().sum() == 0 and m["clip/low"] == 0.0
     t = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
     mm = qurl.mismatch_metrics(t(LP_PROX), t(LP_BEHAV), t([[1.0, 0.0], [0.0, 1.0]]))
-    # tokens (0,0) and (1,1): r = log pi_prox/pi_behav = 0.5 and 1.0; KL(pi_behav || pi_prox) from samples of
+    # tokens (0,0) and (1,1): r = log pi_prox/pi_behav = 0.5 and 1.0; KL(pi_behav || pi_prox) from
+    # samples of
     # pi_behav by k3 = e^r - 1 - r
-    assert math.isclose(mm["mismatch/kl"], ((e(0.5) - 1 - 0.5) + (e(1.0) - 1 - 1.0)) / 2, rel_tol=1e-9)
-    assert math.isclose(mm["mismatch/ratio_max"], e(1.0), rel_tol=1e-9) and mm["mismatch/logp_absdiff"] == 0.75
+    assert math.isclose(
+        mm["mismatch/kl"], ((e(0.5) - 1 - 0.5) + (e(1.0) - 1 - 1.0)) / 2, rel_tol=1e-9
+    )
+    assert (
+        math.isclose(mm["mismatch/ratio_max"], e(1.0), rel_tol=1e-9)
+        and mm["mismatch/logp_absdiff"] == 0.75
+    )
 
 
 def test_tbpo_by_hand():
     # seq 0: A=+1, s = 1 (in band), w = 1: l = 1, contributes -1
-    # seq 1: A=-1, s = e^0.1 > 1 + 7e-4: out of the trust band, dropped from the loss and the denominator
+    # seq 1: A=-1, s = e^0.1 > 1 + 7e-4: out of the trust band, dropped from the loss and the
+    # denominator
     # seq 2: A=+1, s = 1, w = e^1 capped at C = 2: contributes -2 (the cap binds)
     # seq 3: fully masked: no sequence at all
     # seq 4: A=-1, s = e^2e-4 inside [1 - 3e-4, 1 + 7e-4]: l = -s, contributes +s
@@ -758,19 +898,28 @@ def test_tbpo_by_hand():
     prox = [[-1.0, -1.0]] * 5
     behav = [[-1.0, -1.0], [-1.0, -1.0], [-2.0, -2.0], [-1.0, -1.0], [-1.0, -1.0]]
     mask = [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
-    loss, grad, m = _loss("tbpo", lp=lp, prox=prox, behav=behav, adv=[1.0, -1.0, 1.0, 1.0, -1.0], mask=mask)
+    loss, grad, m = _loss(
+        "tbpo", lp=lp, prox=prox, behav=behav, adv=[1.0, -1.0, 1.0, 1.0, -1.0], mask=mask
+    )
     s4 = math.exp(2e-4)
     assert math.isclose(loss, (-1.0 - 2.0 + s4) / 3, rel_tol=1e-9)
     # d/dlogp_t of -w_hat s A / n_kept, s = exp(mean_t log ratio): -w_hat A s / (T n_kept)
-    ref = torch.tensor([[-1 / 6] * 2, [0.0] * 2, [-2 / 6] * 2, [0.0] * 2, [s4 / 6] * 2], dtype=torch.float64)
+    ref = torch.tensor(
+        [[-1 / 6] * 2, [0.0] * 2, [-2 / 6] * 2, [0.0] * 2, [s4 / 6] * 2], dtype=torch.float64
+    )
     torch.testing.assert_close(grad, ref)
     assert m["tbpo/kept"] == 0.75 and m["clip/high"] == 0.25 and m["clip/low"] == 0.0
 
 
 def test_tbpo_negative_band_zero_gradient_both_sides():
     for shift in (+0.5, -0.5):  # exploding or vanishing ratio of a negative-advantage sequence
-        _, grad, _ = _loss("tbpo", lp=[[-1.0 + shift, -1.0 + shift]], prox=[[-1.0, -1.0]], behav=[[-1.0, -1.0]],
-                           adv=[-1.0])
+        _, grad, _ = _loss(
+            "tbpo",
+            lp=[[-1.0 + shift, -1.0 + shift]],
+            prox=[[-1.0, -1.0]],
+            behav=[[-1.0, -1.0]],
+            adv=[-1.0],
+        )
         assert grad.abs().sum() == 0
 
 
@@ -780,8 +929,14 @@ def test_on_policy_gradient_is_plain_policy_gradient(kind):
     lp0 = torch.randn(3, 5, generator=g, dtype=torch.float64) - 1
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float64)
     adv = torch.tensor([1.5, -0.5, 0.7], dtype=torch.float64)
-    _, grad, _ = _loss(kind, lp=lp0.tolist(), prox=lp0.tolist(), behav=lp0.tolist(), adv=adv.tolist(),
-                       mask=mask.tolist())
+    _, grad, _ = _loss(
+        kind,
+        lp=lp0.tolist(),
+        prox=lp0.tolist(),
+        behav=lp0.tolist(),
+        adv=adv.tolist(),
+        mask=mask.tolist(),
+    )
     if kind == "tbpo":  # -A_i * mean_t grad logp, averaged over sequences
         ref = -adv[:, None] * mask / mask.sum(1, keepdim=True) / 3
     else:               # -A_i * grad logp, token mean over the batch
@@ -789,8 +944,11 @@ def test_on_policy_gradient_is_plain_policy_gradient(kind):
     torch.testing.assert_close(grad, ref)
 
 
-def _oracle(kind, lp, prox, behav, adv, mask, eps_low=0.2, eps_high=0.28, C=2.0, band=(3e-4, 4e-4, 7e-4)):
-    """The four objectives written from their formulas, one token or sequence at a time (float64 scalars)."""
+def _oracle(
+    kind, lp, prox, behav, adv, mask, eps_low=0.2, eps_high=0.28, C=2.0, band=(3e-4, 4e-4, 7e-4)
+):
+    """The four objectives written from their formulas, one token or sequence at a time (float64
+    scalars)."""
     B, T = lp.shape
     prox, behav = prox.tolist(), behav.tolist()
     clip = lambda x, lo, hi: torch.clamp(x, lo, hi)  # noqa: E731
@@ -824,7 +982,11 @@ def _oracle(kind, lp, prox, behav, adv, mask, eps_low=0.2, eps_high=0.28, C=2.0,
             if kind == "naive":
                 r, w, upper = torch.exp(lp[i, t] - behav[i][t]), 1.0, 1 + eps_high
             else:
-                r, w, upper = torch.exp(lp[i, t] - prox[i][t]), min(math.exp(prox[i][t] - behav[i][t]), C), 1 + eps_high
+                r, w, upper = (
+                    torch.exp(lp[i, t] - prox[i][t]),
+                    min(math.exp(prox[i][t] - behav[i][t]), C),
+                    1 + eps_high,
+                )
                 if kind == "acr":
                     upper = (1 + eps_high) / min(1.0, C * math.exp(behav[i][t] - prox[i][t]))
             total = total - w * torch.minimum(r * A, clip(r, 1 - eps_low, upper) * A)
@@ -837,10 +999,13 @@ def _oracle_cases():
     mask = (torch.rand(B, T, generator=g) < 0.8).double()
     mask[3] = 0.0                                                  # an empty row
     behav = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
-    prox = behav + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.8   # pi_prox/pi_behav beyond C = 2 often
+    # pi_prox/pi_behav beyond C = 2 often
+    prox = behav + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.8
     adv = torch.tensor([1.2, -0.7, 0.4, 1.0, -1.5, 0.9, -0.3, 0.0], dtype=torch.float64)
-    lp_tok = prox + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3      # token losses: clips bind
-    # tbpo: per-sequence shifts in band, above it and below it, for both signs of A (mean log-ratio = shift)
+    # token losses: clips bind
+    lp_tok = prox + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
+    # tbpo: per-sequence shifts in band, above it and below it, for both signs of A (mean log-ratio
+    # = shift)
     shifts = torch.tensor([1e-4, 2e-3, -2e-3, 0.0, 5e-4, -1e-4, 1e-3, 3e-4], dtype=torch.float64)
     lp_seq = prox + shifts[:, None] + torch.randn(B, T, generator=g, dtype=torch.float64) * 1e-5
     return lp_tok, lp_seq, prox, behav, adv, mask
@@ -852,7 +1017,8 @@ def test_policy_loss_matches_independent_oracle(kind, C):
     lp_tok, lp_seq, prox, behav, adv, mask = _oracle_cases()
     lp0 = lp_seq if kind == "tbpo" else lp_tok
     kw = dict(loss=kind, is_cap=C)
-    for old_grad in (False, True):  # old log-probs passed with requires_grad: no gradient may reach them
+    # old log-probs passed with requires_grad: no gradient may reach them
+    for old_grad in (False, True):
         lp = lp0.clone().requires_grad_(True)
         p, b = prox.clone().requires_grad_(old_grad), behav.clone().requires_grad_(old_grad)
         loss, _ = qurl.policy_loss(lp, p, b, adv, mask, **kw)
@@ -860,7 +1026,10 @@ def test_policy_loss_matches_independent_oracle(kind, C):
         lo = lp0.clone().requires_grad_(True)
         ref = _oracle(kind, lo, prox, behav, adv.tolist(), mask.tolist(), C=C)
         ref.backward()
-        assert abs(loss.item() - ref.item()) <= 1e-6 * max(1.0, abs(ref.item())), (loss.item(), ref.item())
+        assert abs(loss.item() - ref.item()) <= 1e-6 * max(1.0, abs(ref.item())), (
+            loss.item(),
+            ref.item(),
+        )
         torch.testing.assert_close(lp.grad, lo.grad, rtol=1e-6, atol=1e-9)
         assert lp.grad.abs().sum() > 0
         assert p.grad is None and b.grad is None
@@ -868,7 +1037,8 @@ def test_policy_loss_matches_independent_oracle(kind, C):
 
 @pytest.mark.parametrize("kind", ["naive", "tis", "acr", "tbpo"])
 def test_on_policy_call_trains(kind):
-    """policy_loss(logp, logp, logp, ...): the natural on-policy call gives the plain policy gradient."""
+    """policy_loss(logp, logp, logp, ...): the natural on-policy call gives the plain policy
+    gradient."""
     lp_tok, _, _, _, adv, mask = _oracle_cases()
     lp = lp_tok.clone().requires_grad_(True)
     loss, _ = qurl.policy_loss(lp, lp, lp, adv, mask, loss=kind)
@@ -878,14 +1048,17 @@ def test_on_policy_call_trains(kind):
     assert lp.grad.abs().sum() > 0
     torch.testing.assert_close(lp.grad, lo.grad, rtol=1e-6, atol=1e-9)
 
-# ======================================================================================================================
+# ==================================================================================================
 # The method, 6: one RL step (gradient accumulation, mini-batches, the learning rate)
-# ======================================================================================================================
+# ==================================================================================================
 def test_lr_schedule_cosine_by_hand():
-    assert qurl.lr_at(1, 900, 1e-4, "cosine") == pytest.approx(1e-4)              # cos(0) = 1: the full rate first
-    assert qurl.lr_at(451, 900, 1e-4, "cosine") == pytest.approx(0.5e-4)          # cos(pi/2) = 0: half way
+    # cos(0) = 1: the full rate first
+    assert qurl.lr_at(1, 900, 1e-4, "cosine") == pytest.approx(1e-4)
+    # cos(pi/2) = 0: half way
+    assert qurl.lr_at(451, 900, 1e-4, "cosine") == pytest.approx(0.5e-4)
     assert qurl.lr_at(901, 900, 1e-4, "cosine") == pytest.approx(0.0, abs=1e-20)  # cos(pi) = -1
-    assert qurl.lr_at(226, 900, 1e-4, "cosine") == pytest.approx(0.5e-4 * (1 + math.sqrt(0.5)))  # cos(pi/4)
+    # cos(pi/4)
+    assert qurl.lr_at(226, 900, 1e-4, "cosine") == pytest.approx(0.5e-4 * (1 + math.sqrt(0.5)))
     assert all(qurl.lr_at(k, 10, 3e-4, "constant") == 3e-4 for k in range(1, 11))
     lrs = [qurl.lr_at(k, 50, 1e-4, "cosine") for k in range(1, 51)]
     assert all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] < 1e-6
@@ -899,7 +1072,9 @@ class _CaptureGrads(torch.optim.Optimizer):
         self.grads = []
 
     def step(self, closure=None):
-        self.grads.append([p.grad.clone() for g in self.param_groups for p in g["params"] if p.grad is not None])
+        self.grads.append(
+            [p.grad.clone() for g in self.param_groups for p in g["params"] if p.grad is not None]
+        )
 
 
 def _batch(rollout, adv):
@@ -1008,7 +1183,8 @@ def test_mini_batches_split_exactly():
     for n, k in ((10, 4), (9, 4), (128, 3), (7, 7)):
         sizes = [b.stop - b.start for b in qurl._batches(n, k)]
         assert len(sizes) == k and sum(sizes) == n and max(sizes) - min(sizes) <= 1, (n, k, sizes)
-    assert [b.stop - b.start for b in qurl._batches(3, 4)] == [1, 1, 1]  # fewer rows than mini-batches
+    # fewer rows than mini-batches
+    assert [b.stop - b.start for b in qurl._batches(3, 4)] == [1, 1, 1]
 
 
 def test_update_forwards_at_most_micro_batch_rows(tiny, problems):
@@ -1041,42 +1217,62 @@ def test_step_without_trainable_rows_logs_null_and_measures_the_sampler(tiny, pr
     assert m["reward/zero_std_groups"] == 4 and m.get("loss/policy") is None
     assert m["mismatch/kl"] > 0 and m["mismatch/ratio_max"] > 1  # measured on every row
 
-# ======================================================================================================================
+# ==================================================================================================
 # The method, 7: the training loop and evaluation
-# ======================================================================================================================
+# ==================================================================================================
 def _small_args(tmp_path, **kw):
-    base = dict(steps=2, prompts_per_step=4, group_size=4, max_new_tokens=24, eval_every=2, eval_size=20,
-                out_dir=str(tmp_path))
+    base = dict(
+        steps=2,
+        prompts_per_step=4,
+        group_size=4,
+        max_new_tokens=24,
+        eval_every=2,
+        eval_size=20,
+        out_dir=str(tmp_path),
+    )
     base.update(kw)
     return qurl.Args(**base)
 
 
-@pytest.mark.parametrize("quant,loss,extra", [
-    ("none", "tis", {}), ("int8", "acr", {}), ("fp8", "acr", {}), ("fp8", "naive", {}), ("fp8", "tis", {}),
-    ("fp8", "tbpo", {}), ("fp8", "tbpo", {"align_forward": True}), ("nf4", "naive", {}),
-    ("nf4", "tbpo", {"align_forward": True, "mini_batches": 2, "dtype": "bfloat16"}),
-    ("int8", "acr", {"ppo_epochs": 2, "mini_batches": 2, "lr": 1e-3}),
-])
+@pytest.mark.parametrize(
+    "quant,loss,extra",
+    [
+        ("none", "tis", {}),
+        ("int8", "acr", {}),
+        ("fp8", "acr", {}),
+        ("fp8", "naive", {}),
+        ("fp8", "tis", {}),
+        ("fp8", "tbpo", {}),
+        ("fp8", "tbpo", {"align_forward": True}),
+        ("nf4", "naive", {}),
+        ("nf4", "tbpo", {"align_forward": True, "mini_batches": 2, "dtype": "bfloat16"}),
+        ("int8", "acr", {"ppo_epochs": 2, "mini_batches": 2, "lr": 1e-3}),
+    ],
+)
 def test_end_to_end(tmp_path, tiny, quant, loss, extra):
     args = _small_args(tmp_path, quant=quant, loss=loss, run_name="r", **extra)
     qurl.train(args)
     rows = [json.loads(l) for l in (tmp_path / "r/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        assert set(r) == set(qurl.METRIC_KEYS), set(r) ^ set(qurl.METRIC_KEYS)  # every metric, and only those
+        # every metric, and only those
+        assert set(r) == set(qurl.METRIC_KEYS), set(r) ^ set(qurl.METRIC_KEYS)
         assert all(v is None or math.isfinite(v) for v in r.values())
     assert rows[-1]["eval/acc"] is not None
-    assert [r["opt/lr"] for r in rows] == pytest.approx([args.lr, args.lr / 2])  # cosine, 2 steps: cos(0), cos(pi/2)
+    # cosine, 2 steps: cos(0), cos(pi/2)
+    assert [r["opt/lr"] for r in rows] == pytest.approx([args.lr, args.lr / 2])
     final = torch.load(tmp_path / "r/ckpt.pt", weights_only=False)["actor"]
     init = tiny[0].state_dict()
     assert any(not torch.equal(final[k], init[k]) for k in init)  # the weights moved
     if quant != "none":
-        assert rows[0]["quant/flip_rate"] == 0.0 and rows[1]["quant/flip_rate"] > 0  # synced before each rollout
+        # synced before each rollout
+        assert rows[0]["quant/flip_rate"] == 0.0 and rows[1]["quant/flip_rate"] > 0
 
 
 def test_bf16_keeps_small_updates_and_final_is_a_standard_checkpoint(tmp_path, tiny, problems):
-    """bf16 compute on fp32 masters: lr 1e-6 moves nearly every weight (bf16 parameters would keep ~98 % of them),
-    and final/ is an fp32 model on the original scale (invariant scaling folded back) with the actor's function."""
+    """bf16 compute on fp32 masters: lr 1e-6 moves nearly every weight (bf16 parameters would
+    keep ~98 % of them), and final/ is an fp32 model on the original scale (invariant scaling
+    folded back) with the actor's function."""
     from transformers import AutoModelForCausalLM
     kw = dict(quant="fp8", dtype="bfloat16", lr=1e-6, lr_schedule="constant", eval_every=100)
     qurl.train(_small_args(tmp_path, run_name="b3", steps=3, **kw))
@@ -1086,15 +1282,25 @@ def test_bf16_keeps_small_updates_and_final_is_a_standard_checkpoint(tmp_path, t
     p3, p0 = dict(f3.named_parameters()), dict(f0.named_parameters())
     moved = sum(int((p3[n] != p0[n]).sum()) for n in dec) / sum(p3[n].numel() for n in dec)
     assert moved >= 0.9 and p3[dec[0]].dtype == torch.float32, moved
-    assert json.loads((tmp_path / "b3/final/qurl.json").read_text())["invariant_scale_folded_back"] == 1.5
+    assert (
+        json.loads((tmp_path / "b3/final/qurl.json").read_text())["invariant_scale_folded_back"]
+        == 1.5
+    )
     orig = dict(tiny[0].named_parameters())
-    for n in ("model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"):
+    for n in (
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.1.post_attention_layernorm.weight",
+    ):
         assert _rel_err(p3[n].detach(), orig[n].detach()) < 0.01  # original scale, not 1.5x
-    actor = qurl.load_model(TINY, "cpu", torch.float32)[0]       # the training actor: scaled, at the last step
+    # the training actor: scaled, at the last step
+    actor = qurl.load_model(TINY, "cpu", torch.float32)[0]
     qurl.invariant_rescale(actor, 1.5)
     actor.load_state_dict(torch.load(tmp_path / "b3/ckpt.pt", weights_only=False)["actor"])
-    enc = tiny[1]([qurl.format_prompt(p["question"], tiny[1]) for p in problems[:8]], return_tensors="pt",
-                  padding=True)
+    enc = tiny[1](
+        [qurl.format_prompt(p["question"], tiny[1]) for p in problems[:8]],
+        return_tensors="pt",
+        padding=True,
+    )
     with torch.no_grad():
         assert _rel_err(f3(**enc).logits, actor(**enc).logits) < 1e-5
 
@@ -1121,16 +1327,26 @@ def test_evaluate_reproduces_warmup_record(tiny, problems):
     acc = qurl.evaluate(model, tok, problems, max_new_tokens=rec["max_new_tokens"], batch_size=100)
     assert abs(acc - rec["heldout_acc_500"]) <= 2 / 500, (acc, rec["heldout_acc_500"])
 
-# ======================================================================================================================
+
+# ==================================================================================================
 # Appendix A: plumbing (bad input, run folders, checkpoints and resume, signals, run tracking)
-# ======================================================================================================================
-@pytest.mark.parametrize("content,needles", [
-    ('{"question": "What is 1 + 1?", "answer": "#### 2"}\n{"question": "x", "answer": \n', [":2:", "malformed"]),
-    ("", ["no problems", "empty"]),
-    ('{"question": "What is 1 + 1?", "answer": "#### 2"}\n{"prompt": "x", "answer": "#### 1"}\n',
-     [":2:", "--fields question,answer"]),
-    ('{"question": "What is 1 + 1?", "answer": "no number here"}\n', [":1:", "does not parse"]),
-])
+# ==================================================================================================
+@pytest.mark.parametrize(
+    "content,needles",
+    [
+        (
+            '{"question": "What is 1 + 1?", "answer": "#### 2"}\n{"question": "x", "answer": \n',
+            [":2:", "malformed"],
+        ),
+        ("", ["no problems", "empty"]),
+        (
+            '{"question": "What is 1 + 1?", "answer": "#### 2"}\n'
+            '{"prompt": "x", "answer": "#### 1"}\n',
+            [":2:", "--fields question,answer"],
+        ),
+        ('{"question": "What is 1 + 1?", "answer": "no number here"}\n', [":1:", "does not parse"]),
+    ],
+)
 def test_bad_data_file(tmp_path, content, needles):
     f = tmp_path / "bad.jsonl"
     f.write_text(content)
@@ -1170,13 +1386,19 @@ def test_bad_cli_input_one_line(tmp_path, argv, needles):
     assert_one_line_error(run_cli(*argv, "--out-dir", str(tmp_path), **env), *needles)
 
 
-@pytest.mark.parametrize("argv,expect", [
-    (["--loss", "tbpo", "--eps-high", "0.3"], "--eps-high does nothing with --loss tbpo"),
-    (["--loss", "naive", "--is-cap", "3"], "--is-cap does nothing with --loss naive"),
-    (["--loss", "acr"], "ACR equals TIS"),
-    (["--loss", "tbpo"], "no sequence leaves TBPO's band"),
-    (["--loss", "acr", "--tbpo-band", "1e-3", "1e-3", "1e-3"], "--tbpo-band does nothing with --loss acr"),
-])
+@pytest.mark.parametrize(
+    "argv,expect",
+    [
+        (["--loss", "tbpo", "--eps-high", "0.3"], "--eps-high does nothing with --loss tbpo"),
+        (["--loss", "naive", "--is-cap", "3"], "--is-cap does nothing with --loss naive"),
+        (["--loss", "acr"], "ACR equals TIS"),
+        (["--loss", "tbpo"], "no sequence leaves TBPO's band"),
+        (
+            ["--loss", "acr", "--tbpo-band", "1e-3", "1e-3", "1e-3"],
+            "--tbpo-band does nothing with --loss acr",
+        ),
+    ],
+)
 def test_flags_that_do_not_act_say_so(capsys, argv, expect):
     qurl.parse_args(argv)
     assert expect in capsys.readouterr().err
@@ -1186,11 +1408,14 @@ def test_flags_that_do_not_act_say_so(capsys, argv, expect):
 
 def test_run_dir_rules(tmp_path, tiny):
     long_q = tmp_path / "long.jsonl"
-    long_q.write_text(json.dumps({"question": "What is " + "1 + " * 80 + "1?", "answer": "#### 81"}) + "\n")
+    long_q.write_text(
+        json.dumps({"question": "What is " + "1 + " * 80 + "1?", "answer": "#### 81"}) + "\n"
+    )
     out = str(tmp_path / "runs")
     common = ["--out-dir", out, "--steps", "1", "--prompts-per-step", "2", "--group-size", "2",
               "--eval-size", "4", "--quant", "none"]
-    # a fresh process: the tokenizer's own "longer than the maximum" log line must not reach the user
+    # a fresh process: the tokenizer's own "longer than the maximum" log line must not reach the
+    # user
     res = run_cli(*common, "--train-data", str(long_q), "--run-name", "long", fresh=True)
     assert_one_line_error(res, "exceeds the model's context")
     assert not (Path(out) / "long").exists()  # refused before anything was written
@@ -1199,7 +1424,8 @@ def test_run_dir_rules(tmp_path, tiny):
     assert_one_line_error(run_cli(*common, "--run-name", "a"), "already exists", "--resume")
     assert (Path(out) / "a/metrics.jsonl").read_text() == before  # nothing overwritten
     assert run_cli(*common).returncode == 0 and run_cli(*common).returncode == 0  # a default name
-    assert {p.name for p in Path(out).iterdir()} == {"a", "none-acr-s1", "none-acr-s1-2"}  # numbered
+    # numbered
+    assert {p.name for p in Path(out).iterdir()} == {"a", "none-acr-s1", "none-acr-s1-2"}
     empty = tmp_path / "empty_run"
     empty.mkdir()
     assert_one_line_error(run_cli(*common, "--resume", str(empty)), "not a run folder")
@@ -1230,8 +1456,8 @@ def _metrics(path):
 
 
 def test_resume_after_interrupt_reproduces_metrics(tmp_path, monkeypatch, capsys):
-    """Uninterrupted 5 steps == (Ctrl-C after step 3, resume) == (SIGTERM in step 3, resume) == (crash in step 4
-    after a checkpoint at 2, resume)."""
+    """Uninterrupted 5 steps == (Ctrl-C after step 3, resume) == (SIGTERM in step 3, resume) ==
+    (crash in step 4 after a checkpoint at 2, resume)."""
     kw = dict(steps=5, quant="fp8", loss="acr", eval_every=2, lr=1e-3)
     monkeypatch.setattr(qurl, "SAVE_EVERY", 2)
     qurl.train(_small_args(tmp_path, run_name="full", **kw))
@@ -1243,7 +1469,8 @@ def test_resume_after_interrupt_reproduces_metrics(tmp_path, monkeypatch, capsys
     def ctrl_c_in_step_3(q, m):
         calls["n"] += 1
         if calls["n"] == 3:
-            qurl._request_stop(2, None)  # what the SIGINT handler does: finish this step, checkpoint, exit
+            # what the SIGINT handler does: finish this step, checkpoint, exit
+            qurl._request_stop(2, None)
         return real_sync(q, m)
     monkeypatch.setattr(qurl, "sync_weights", ctrl_c_in_step_3)
     with pytest.raises(SystemExit) as e:
@@ -1255,7 +1482,8 @@ def test_resume_after_interrupt_reproduces_metrics(tmp_path, monkeypatch, capsys
 
     calls["n"] = 0
 
-    def sigterm_in_step_3(q, m):  # a real SIGTERM to this process, as a cluster's preemption sends it
+    # a real SIGTERM to this process, as a cluster's preemption sends it
+    def sigterm_in_step_3(q, m):
         calls["n"] += 1
         if calls["n"] == 3:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -1266,7 +1494,8 @@ def test_resume_after_interrupt_reproduces_metrics(tmp_path, monkeypatch, capsys
     err = capsys.readouterr().err
     assert e.value.code == 143 and len(_metrics(tmp_path / "term/metrics.jsonl")) == 3
     assert "SIGTERM" in err and f"--resume {tmp_path / 'term'}" in err
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler was removed on the way out
+    # the handler was removed on the way out
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     monkeypatch.setattr(qurl, "sync_weights", real_sync)
     qurl.train(_small_args(tmp_path, resume=str(tmp_path / "term"), **kw))
     assert _metrics(tmp_path / "term/metrics.jsonl") == ref
@@ -1377,11 +1606,14 @@ def test_memory_estimate_terms_against_the_objects_they_count(tiny, dry_run):
         scales = codes - n_lin * (0.5 if fmt == "nf4" else 1)
         # per-row scales aside (fp8)
         assert abs(est["sampler"] * 2**30 - (codes + 4 * (n_par - n_lin))) <= scales
-    a, b = (estimate(model, 64, 20, 32, 16, ck, "fp8", torch.bfloat16, "cuda") for ck in (False, True))
+    a, b = (
+        estimate(model, 64, 20, 32, 16, ck, "fp8", torch.bfloat16, "cuda") for ck in (False, True)
+    )
     assert b["activations"] < a["activations"]
     logits = 16 * 16 * 33 * model.config.vocab_size / 2**30  # 16 B each
     assert a["logits"] == b["logits"] == pytest.approx(logits)
-    c = estimate(model, 64, 20, 32, 32, False, "fp8", torch.bfloat16, "cuda")  # twice the micro-batch
+    # twice the micro-batch
+    c = estimate(model, 64, 20, 32, 32, False, "fp8", torch.bfloat16, "cuda")
     assert c["activations"] == pytest.approx(2 * a["activations"]) and c["rollout"] == a["rollout"]
 
 
@@ -1410,10 +1642,29 @@ def test_bench_train_measures_peaks_beside_the_estimate(tmp_path):
     """bench.py train runs whole RL steps and reports the rollout's and the step's peak memory
     beside the estimate. A fresh process: freed memory of other tests would serve."""
     out = tmp_path / "bench.jsonl"
-    res = subprocess.run([sys.executable, str(HERE / "tools" / "bench.py"), "train", "--quant", "fp8",
-                          "--model", TINY, "--prompts-per-step", "2", "--group-size", "4",
-                          "--max-new-tokens", "8", "--out", str(out)],
-                         capture_output=True, text=True, cwd=HERE, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(HERE / "tools" / "bench.py"),
+            "train",
+            "--quant",
+            "fp8",
+            "--model",
+            TINY,
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--max-new-tokens",
+            "8",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=HERE,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     row = json.loads(out.read_text())
     assert row["device"].startswith("cpu") and row["rows"] == 8 and row["tok_s"] > 0
@@ -1422,7 +1673,9 @@ def test_bench_train_measures_peaks_beside_the_estimate(tmp_path):
 
 
 def test_plot_writes_png(tmp_path):
-    pytest.importorskip("matplotlib", reason="matplotlib is not installed (it is in requirements.txt)")
+    pytest.importorskip(
+        "matplotlib", reason="matplotlib is not installed (it is in requirements.txt)"
+    )
     for name, quant in (("p_none", "none"), ("p_fp8", "fp8")):
         qurl.train(_small_args(tmp_path, run_name=name, quant=quant, steps=3, eval_every=1))
     out = tmp_path / "fig" / "cmp.png"
@@ -1447,20 +1700,28 @@ COPYABLE = ["masked_mean", "k3", "group_advantages", "token_loss", "tbpo_loss", 
 
 
 def test_method_functions_need_at_most_three_other_module_names():
-    """Copying one of these into another trainer brings at most three other names of qurl.py along (imports aside)."""
+    """Copying one of these into another trainer brings at most three other names of qurl.py
+    along (imports aside)."""
     import ast
     tree = ast.parse(Path(qurl.__file__).read_text())
     defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    module_names = set(defs) | {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
-                                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
-                                if isinstance(t, ast.Name)}
+    module_names = set(defs) | {
+        t.id
+        for n in tree.body
+        if isinstance(n, (ast.Assign, ast.AnnAssign))
+        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+        if isinstance(t, ast.Name)
+    }
     for name in COPYABLE:
-        used = {x.id for x in ast.walk(defs[name]) if isinstance(x, ast.Name)} & module_names - {name}
+        used = {x.id for x in ast.walk(defs[name]) if isinstance(x, ast.Name)} & module_names - {
+            name
+        }
         assert len(used) <= 3, (name, sorted(used))
 
 
 def test_metric_names_defined_once_and_in_the_glossary():
-    """METRIC_KEYS is the one list (rows hold exactly these: see test_end_to_end); the README's glossary names each."""
+    """METRIC_KEYS is the one list (rows hold exactly these: see test_end_to_end); the README's
+    glossary names each."""
     readme = (HERE / "README.md").read_text()
     glossary = readme[readme.index("| metric |"):]
     glossary = glossary[:glossary.index("\n\n")]
@@ -1468,9 +1729,9 @@ def test_metric_names_defined_once_and_in_the_glossary():
         [k for k in qurl.METRIC_KEYS if f"`{k}`" not in glossary]
     assert len(set(qurl.METRIC_KEYS)) == len(qurl.METRIC_KEYS)
 
-# ======================================================================================================================
+# ==================================================================================================
 # CUDA (skipped with a reason where torch sees no CUDA device)
-# ======================================================================================================================
+# ==================================================================================================
 @CUDA
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_cuda_quantlinear_matches_cpu_reference(fmt):
@@ -1512,8 +1773,9 @@ def test_cuda_two_step_rl(tmp_path, quant):
 @CUDA
 @pytest.mark.parametrize("autocast", [False, True])
 def test_cuda_nf4_dequantizes_into_the_compute_dtype(autocast):
-    """On CUDA bitsandbytes dequantizes NF4 per call, straight into the compute dtype: bf16 out, with and without
-    autocast, equal to the CPU layer (fp32 dequantized weights) to bf16 rounding."""
+    """On CUDA bitsandbytes dequantizes NF4 per call, straight into the compute dtype: bf16 out,
+    with and without autocast, equal to the CPU layer (fp32 dequantized weights) to bf16
+    rounding."""
     lin, x = _realistic_linear()
     ref = qurl.QuantLinear(lin, "nf4")(x)
     q = qurl.QuantLinear(lin.cuda(), "nf4")
