@@ -54,6 +54,7 @@ import signal
 import sys
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -86,8 +87,8 @@ class Args:
     train_data: str = arg("data/arith_train.jsonl", "problems: a .jsonl file or a hub name")
     test_data: str = arg("data/arith_test.jsonl", "held-out problems")
     fields: str = arg("question,answer", "the question and gold-answer fields")
-    quant: str = arg("fp8", "sampler: W8A8 int8/fp8, W4A16 nf4, none (the actor itself)",
-                     choices=["none", "int8", "fp8", "nf4"])
+    quant: str = arg("fp8", "sampler: W8A8 int8/fp8, W4A16 nf4, a bf16/fp16 copy, none (the actor)",
+                     choices=["none", "fp16", "bf16", "int8", "fp8", "nf4"])
     invariant_scale: float | None = arg(None, "QuRL invariant scaling s (1.5 when quantized)")
     align_forward: bool = arg(False, "QaRL: train through the sampler's quantizer")
     loss: str = arg("acr", "policy objective", choices=["naive", "tis", "acr", "tbpo"])
@@ -116,6 +117,7 @@ class Args:
     run_name: str | None = arg(None, "run folder (default <quant>-<loss>-s<seed>)")
     resume: str | None = arg(None, "continue the run in this folder")
     wandb: bool = arg(False, "also log to Weights & Biases")
+    compile: bool = arg(False, "decode with a static KV cache and a compiled, graph-captured step")
 
 
 # ==================== THE METHOD, 1: the task and its reward
@@ -188,18 +190,14 @@ def int8_shift(x2: Tensor) -> Tensor:
     return torch.exp2(torch.ceil(torch.log2((amax / INT8_X_MAX).clamp(min=1.0))))
 
 
-def quantize_nf4(weight: Tensor):
-    """Weight-only NF4 (bitsandbytes; QLoRA's 4-bit NormalFloat): blocks of 64 weights scaled by
-    their absmax, each the nearest of 16 normal quantiles."""
-    import bitsandbytes.functional as bnbF
-    weight = weight.detach().float().contiguous()
-    return bnbF.quantize_4bit(weight, blocksize=NF4_BLOCK, quant_type="nf4")
-
-
 def quantize(weight: Tensor, fmt: str) -> tuple[Tensor, Tensor, object]:
-    """Weights in the sampler's format: (codes, fp32 scales per row or NF4 block, NF4's state)."""
+    """Weights in the sampler's format: (codes, fp32 scales per row or NF4 block, NF4's state).
+    NF4 (bitsandbytes; QLoRA's 4-bit NormalFloat) scales blocks of 64 weights by their absmax and
+    takes the nearest of 16 normal quantiles."""
     if fmt == "nf4":
-        codes, state = quantize_nf4(weight)
+        import bitsandbytes.functional as bnbF
+        weight = weight.detach().float().contiguous()
+        codes, state = bnbF.quantize_4bit(weight, blocksize=NF4_BLOCK, quant_type="nf4")
         return codes, state.absmax.float(), state
     codes, scale = quantize_fp8(weight) if fmt == "fp8" else quantize_int8(weight)
     return codes, scale.float(), None
@@ -217,9 +215,9 @@ def dequantize(codes: Tensor, scale: Tensor, state, fmt: str) -> Tensor:
 
 def w8a8_matmul(x2: Tensor, weight_q: Tensor, weight_scale: Tensor, fmt: str, kernel: str,
                 weight_deq: Tensor | None = None) -> Tensor:
-    """y = Q(x2) @ Q(W)^T in fp32, the sampler's kernel: (M, K) activations quantized per token
-    here, (N, K) weight codes with per-row scales. FP8: torch._scaled_mm, or the same math by
-    dequantize-and-matmul (kernel "emulate", on `weight_deq` when given)."""
+    """y = Q(x2) @ Q(W)^T, the sampler's kernel: (M, K) activations quantized per token here, (N, K)
+    weight codes with per-row scales; fp32 out (CUDA's _scaled_mm: bf16). FP8: torch._scaled_mm, or
+    the same math by dequantize-and-matmul (kernel "emulate", on `weight_deq` when given)."""
     with torch.autocast(x2.device.type, enabled=False):  # the kernel fixes its own numerics
         if fmt == "int8":
             import bitsandbytes.functional as bnbF
@@ -233,7 +231,7 @@ def w8a8_matmul(x2: Tensor, weight_q: Tensor, weight_scale: Tensor, fmt: str, ke
         if kernel == "scaled_mm":  # bf16 out on CUDA (the kernel's own rounding), fp32 on CPU
             out_dtype = torch.bfloat16 if x2.is_cuda else torch.float32
             scale_b = weight_scale[None, :]
-            return torch._scaled_mm(x8, weight_q.t(), x_scale, scale_b, out_dtype=out_dtype).float()
+            return torch._scaled_mm(x8, weight_q.t(), x_scale, scale_b, out_dtype=out_dtype)
         if weight_deq is not None:  # the scales applied before the sum
             return F.linear(x8.float() * x_scale, weight_deq)
         dtype = torch.bfloat16 if x2.is_cuda else torch.float32  # bf16 holds every e4m3 code
@@ -326,18 +324,21 @@ def quantize_actor(actor: nn.Module, fmt: str) -> nn.Module:
 
 @torch.no_grad()
 def sync_weights(sampler: nn.Module, actor: nn.Module) -> float:
-    """sampler <- actor: re-quantize every QuantLinear, copy the rest. Returns the flip rate, the
-    share of weight codes that changed (QuRL's weight-update problem: tiny updates flip none)."""
+    """sampler <- actor, in place: re-quantize every QuantLinear, copy the rest. Returns the flip
+    rate, the share of the decoder linears' codes (bf16/fp16: values) that changed, which shows
+    QuRL's weight-update problem: tiny updates flip none."""
     if sampler is actor:
         return 0.0
     actor_modules = dict(actor.named_modules())
     changed = total = 0
-    for name, module in sampler.named_modules():
+    for name, module in decoder_linears(sampler):
+        source = actor_modules[name]
         if isinstance(module, QuantLinear):
-            source = actor_modules[name]
             changed += module.load_weight(source.weight, source.bias)
-            total += module.weight_q.numel()
-    actor_params = dict(actor.named_parameters())
+        else:  # a half-precision copy: its codes are its values
+            changed += int((module.weight != source.weight.to(module.weight.dtype)).sum())
+        total += source.weight.numel()
+    actor_params = dict(actor.named_parameters(remove_duplicate=False))  # lm_head may be untied
     for name, param in sampler.named_parameters():
         param.copy_(actor_params[name])
     return changed / max(total, 1)
@@ -401,16 +402,17 @@ class Rollout:
     truncated: Tensor  # (B,): no EOS within max_new_tokens
 
 
-def _pick(logits: Tensor, temperature: float, generator) -> tuple[Tensor, Tensor]:
-    """The next token and its log-prob under softmax(logits / T), the distribution it is drawn
-    from. No top-k or top-p: the training side would have to reproduce them, or bias the ratio."""
+def _pick(logits: Tensor, temperature: float, noise: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The next token and its log-prob under p = softmax(logits / T), the distribution it is drawn
+    from (no top-k or top-p: the training side would have to reproduce them). Drawn as argmax(p / E)
+    for Exponential(1) `noise` E: torch.multinomial's own one-sample algorithm, with no host sync."""
     if temperature == 0:  # greedy; the log-prob is reported at T = 1
         logp = torch.log_softmax(logits.float(), dim=-1)
         token = logp.argmax(dim=-1)
         return token, logp.gather(-1, token[:, None]).squeeze(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
-    token = torch.multinomial(probs, 1, generator=generator)
-    return token.squeeze(-1), probs.gather(-1, token).log().squeeze(-1)
+    token = probs.div(noise).argmax(dim=-1)
+    return token, probs.gather(-1, token[:, None]).log().squeeze(-1)
 
 
 @torch.no_grad()
@@ -435,7 +437,8 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
     live = torch.arange(B, device=device)  # batch row -> output row
     done = torch.zeros(B, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
-        token, logp = _pick(logits, temperature, generator)
+        noise = torch.empty_like(logits, dtype=torch.float).exponential_(generator=generator)
+        token, logp = _pick(logits, temperature, noise)
         token = torch.where(done, pad, token)
         tokens[live, t], logp_behav[live, t] = token, logp
         finished = torch.isin(token, stop_ids) & ~done
@@ -443,7 +446,8 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
         done = done | finished
         if t == max_new_tokens - 1:
             break
-        # the done count syncs with the host: every step on CPU, every 8th on CUDA
+        # the done count syncs with the host (each step on a CPU, every 8th on CUDA, where
+        # transformers' mask helper syncs at every step anyway)
         n_done = int(done.sum()) if device.type == "cpu" or t % 8 == 0 else 0
         if n_done == len(live):
             break
@@ -456,14 +460,19 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
         logits = model(input_ids=token[:, None], attention_mask=attention_mask, use_cache=True,
                        position_ids=position[:, None], **cache_kwarg).logits[:, -1]
         position = position + 1
-    R = t + 1
-    response_mask = (torch.arange(R, device=device)[None, :] <= end[:, None]).float()
-    tokens = tokens[:, :R].masked_fill(response_mask == 0, pad)
+    return _finish(tokenizer, input_ids, prompt_mask, n, tokens[:, :t + 1], logp_behav[:, :t + 1], end)
+
+
+def _finish(tokenizer, input_ids, prompt_mask, n, tokens, logp_behav, end) -> Rollout:
+    """The Rollout of n samples of each prompt: tokens after the first EOS become padding."""
+    R = tokens.shape[1]
+    response_mask = (torch.arange(R, device=tokens.device)[None, :] <= end[:, None]).float()
+    tokens = tokens.masked_fill(response_mask == 0, tokenizer.pad_token_id)
     texts = [row[mask.bool()].tolist() for row, mask in zip(tokens, response_mask)]
     full_mask = torch.cat([prompt_mask.repeat_interleave(n, 0), torch.ones_like(tokens)], dim=1)
     return Rollout(torch.cat([input_ids.repeat_interleave(n, 0), tokens], dim=1), full_mask,
-                   response_mask, logp_behav[:, :R] * response_mask, input_ids.shape[1],
-                   tokenizer.batch_decode(texts, skip_special_tokens=True), end >= max_new_tokens)
+                   response_mask, logp_behav * response_mask, input_ids.shape[1],
+                   tokenizer.batch_decode(texts, skip_special_tokens=True), end >= R)
 
 
 # ==================== THE METHOD, 4: teacher-forced log-probs
@@ -626,16 +635,21 @@ def autocast(device: torch.device, dtype: torch.dtype):
 
 
 def make_sampler(actor: nn.Module, quant: str, dtype: torch.dtype) -> nn.Module:
-    """The sampler: quantized decoder linears, the rest an fp32 copy run under the actor's autocast.
-    --quant none: a copy in the compute dtype, as an engine holds it (fp32: the actor)."""
-    if quant != "none":
-        return quantize_actor(actor, quant)
-    if dtype == torch.float32:
+    """The sampler. none: the actor itself (the zero-mismatch baseline); bf16/fp16: a copy in that
+    dtype (buffers such as RoPE's stay fp32, as engines keep them), run without autocast; int8, fp8,
+    nf4: quantized decoder linears, the rest an fp32 copy run under the actor's autocast, except
+    lm_head, cast to the compute dtype once per sync instead of at every decode step."""
+    if quant == "none":
         return actor
-    # the parameters only (buffers such as RoPE's inv_freq stay fp32, as engines keep them)
-    memo = {id(param): nn.Parameter(param.detach().to(dtype), requires_grad=False)
-            for param in actor.parameters()}
-    return copy.deepcopy(actor, memo).eval()
+    if quant in ("bf16", "fp16"):
+        half = torch.bfloat16 if quant == "bf16" else torch.float16
+        memo = {id(param): nn.Parameter(param.detach().to(half), requires_grad=False)
+                for param in actor.parameters()}
+        return copy.deepcopy(actor, memo).eval()
+    sampler = quantize_actor(actor, quant)
+    head = sampler.get_output_embeddings()  # its own weight, even where the actor ties it
+    head.weight = nn.Parameter(head.weight.detach().to(dtype), requires_grad=False)
+    return sampler
 
 
 def select(batch: dict, rows) -> dict:
@@ -657,8 +671,10 @@ def train_step(learner: Learner, args: Args, problems: list[dict], step: int) ->
     flip_rate = sync_weights(learner.sampler, learner.actor)  # 1. the sampler <- the actor
     prompts = [format_prompt(p["question"], learner.tokenizer) for p in problems]
     learner.actor.eval()
-    with autocast(device, learner.dtype):  # 2. the rollout, recording logp_behav
-        rollout = sample(learner.sampler, learner.tokenizer, prompts, G, args.max_new_tokens,
+    decode = compiled_sample if args.compile else sample
+    half = args.quant in ("bf16", "fp16")  # a half copy computes in its own dtype
+    with autocast(device, torch.float32 if half else learner.dtype):  # 2. the rollout
+        rollout = decode(learner.sampler, learner.tokenizer, prompts, G, args.max_new_tokens,
                          args.temperature, learner.generator)
     learner.actor.train()
     rollout_s = time.time() - start
@@ -846,8 +862,8 @@ def validate_args(args: Args) -> str | None:
         (args.is_cap >= 1, "--is-cap must be >= 1 (it truncates pi_prox / pi_behav)"),
         (args.invariant_scale is None or args.invariant_scale > 0,
          "--invariant-scale must be > 0 (1 turns it off)"),
-        (args.quant != "none" or not args.align_forward, "--align-forward needs --quant int8, fp8"
-                                                         " or nf4 (a quantizer to train through)"),
+        (args.quant in ("int8", "fp8", "nf4") or not args.align_forward,
+         "--align-forward needs --quant int8, fp8 or nf4 (a quantizer to train through)"),
         (args.dtype in ("auto", "float32", "bfloat16"),
          f"--dtype {args.dtype} is not supported: use bfloat16 (fp16 needs loss scaling)"),
     ]
@@ -1017,10 +1033,8 @@ def _load_from_hub(name: str, split: str) -> list[tuple[str, dict]]:
     try:
         table = datasets.load_dataset(name, "main" if name.endswith("gsm8k") else None, split=split)
     except Exception as e:
-        text = f"{type(e).__name__}: {str(e).splitlines()[0]:.200}"
-        if re.search("[Oo]ffline|resolve|Connection", text):
-            text = "no network (offline); pass a local file, e.g. data/arith_train.jsonl"
-        raise QurlError(f"cannot load hub data set '{name}': {text}") from None
+        raise QurlError(f"cannot load hub data set '{name}' ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0]:.150}); a local .jsonl works offline") from None
     return [(f"{name}[{split}] row {i + 1}", row) for i, row in enumerate(table)]
 
 
@@ -1028,10 +1042,8 @@ def resolve_device_dtype(dtype: str = "auto") -> tuple[torch.device, torch.dtype
     """CUDA when torch sees it (CUDA_VISIBLE_DEVICES= forces the CPU); auto: bf16 on CUDA."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dtype == "auto":
-        dtype = "bfloat16" if device.type == "cuda" else "float32"
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
-            dtype = "float32"
-            notice("this GPU has no bf16 arithmetic: computing in float32")
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+        dtype = "bfloat16" if bf16 else "float32"  # (a GPU without bf16 arithmetic: fp32)
     return device, getattr(torch, dtype)
 
 
@@ -1268,6 +1280,156 @@ def finish_run(learner: Learner, run: RunState, args: Args) -> dict:
           f"{summary['wall_s']:.0f}s (rollout {summary['rollout_frac']:.0%} of step time); run "
           f"folder {run.dir}", flush=True)
     return summary
+
+
+# ==================== APPENDIX B: a compiled decode (--compile), for speed alone
+DECODERS = weakref.WeakKeyDictionary()  # sampler -> {shape: StaticDecoder, or None: not compiled}
+
+
+def compiled_sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64,
+                    temperature: float = 1.0, generator: torch.Generator | None = None) -> Rollout:
+    """`sample` with a static KV cache and a compiled step, replayed as a CUDA graph on a GPU: a
+    few launches a token, not ~1,000. The same tokens and log-probs up to float summation order; a
+    sampler that does not compile is decoded by `sample`, said once."""
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
+                        padding_side="left").to(next(model.parameters()).device)
+    extra = -encoded["input_ids"].shape[1] % 64  # widths rounded up to 64: few shapes to compile
+    input_ids = F.pad(encoded["input_ids"], (extra, 0), value=tokenizer.pad_token_id)
+    prompt_mask = F.pad(encoded["attention_mask"], (extra, 0))
+    decoders = DECODERS.setdefault(model, {})
+    shape = (len(prompts) * n, input_ids.shape[1], max_new_tokens, temperature)
+    try:
+        if None not in decoders.values():
+            decoders[shape] = decoders.get(shape) or StaticDecoder(model, *shape)
+            return decoders[shape].run(tokenizer, input_ids, prompt_mask, n, generator)
+    except Exception as e:  # noqa: BLE001 (whatever does not compile is decoded eagerly)
+        decoders[shape] = None
+        fmt = next((m.fmt for m in model.modules() if isinstance(m, QuantLinear)), model.dtype)
+        warnings.warn(f"--compile: the {fmt} sampler does not compile here ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0]:.100}); decoding eagerly")
+    return sample(model, tokenizer, prompts, n, max_new_tokens, temperature, generator)
+
+
+class StaticDecoder:
+    """One shape's decode loop in static buffers. A decoder layer is compiled once and run for
+    every layer; on a GPU a whole step is captured as a CUDA graph. Weights are read in place."""
+
+    def __init__(self, model, rows, width, max_new_tokens, temperature):
+        import torch._inductor.config
+        torch._inductor.config.emulate_precision_casts = True  # bf16 rounding exactly as eager
+        torch._dynamo.config.cache_size_limit = 64  # a graph per shape and precision
+        warnings.filterwarnings("ignore", "bf16 and fp16 are mixed")  # inductor's note on INT8
+        device, long = next(model.parameters()).device, torch.long
+        self.model, self.width, self.temperature, self.cache, self.graph = (
+            model, width, temperature, None, None)
+        self.valid = torch.ones(rows, width + max_new_tokens, dtype=torch.bool, device=device)
+        self.token, self.position, self.end = torch.zeros(3, rows, dtype=long, device=device)
+        self.column = torch.zeros(1, dtype=long, device=device)  # the last token's column
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.tokens = torch.zeros(rows, max_new_tokens, dtype=long, device=device)
+        self.logp = torch.zeros(rows, max_new_tokens, device=device)
+        self.noise = torch.ones(rows, model.config.vocab_size, device=device)
+        self.layer, self.pick = torch.compile(_layer, dynamic=False), torch.compile(self.next)
+
+    def run(self, tokenizer, input_ids, prompt_mask, n, generator) -> Rollout:
+        """`_prefill` (eager) into the static cache, then the steps; a host sync every 16."""
+        logits, cache, _, stop_ids = _prefill(self.model, tokenizer, input_ids, prompt_mask)
+        cache.batch_repeat_interleave(n)
+        if self.cache is None:  # K, V in the dtypes transformers keeps them in
+            self.cache = [t.new_zeros(len(cache.layers), len(self.valid), t.shape[1],
+                                      self.valid.shape[1], t.shape[3])
+                          for t in (cache.layers[0].keys, cache.layers[0].values)]
+            self.pad, self.stop_ids = tokenizer.pad_token_id, stop_ids
+            self.column.fill_(self.width - 1)
+            if logits.is_cuda:
+                self.capture()
+        for i, layer in enumerate(cache.layers):
+            self.cache[0][i, :, :, :self.width] = layer.keys
+            self.cache[1][i, :, :, :self.width] = layer.values
+        self.valid[:, :self.width] = prompt_mask.repeat_interleave(n, 0).bool()
+        self.position.copy_(prompt_mask.sum(-1).repeat_interleave(n, 0) - 1)
+        self.column.fill_(self.width - 1)
+        self.end.fill_(self.tokens.shape[1])
+        self.done.zero_()
+        steps = self.tokens.shape[1]
+        for t in range(steps):
+            if t and t % 16 == 0 and bool(self.done.all()):
+                steps = t
+                break
+            if self.temperature:
+                self.noise.exponential_(generator=generator)
+            if t == 0:
+                self.next(logits.repeat_interleave(n, 0))
+            elif self.graph is not None:
+                self.graph.replay()
+            else:
+                self.step()
+        return _finish(tokenizer, input_ids, prompt_mask, n, self.tokens[:, :steps].clone(),
+                       self.logp[:, :steps].clone(), self.end.clone())
+
+    def step(self):
+        """The last tokens through every layer, then the next ones picked."""
+        body = self.model.model
+        x = body.embed_tokens(self.token[:, None])
+        cos, sin = body.rotary_emb(x, self.position[:, None])
+        keys = torch.arange(self.valid.shape[1], device=x.device)
+        mask = (self.valid & (keys <= self.column))[:, None, None, :]
+        for i, layer in enumerate(body.layers):
+            x = self.layer(layer, x, cos, sin, *(c[i] for c in self.cache), self.column, mask)
+        self.pick(self.model.lm_head(body.norm(x))[:, -1])
+
+    def next(self, logits):
+        """Each row's next token and log-prob, into the static outputs."""
+        token, logp = _pick(logits, self.temperature, self.noise)
+        t = self.column - self.width + 1  # the output column of the token drawn
+        token = torch.where(self.done, self.pad, token)
+        self.tokens.index_copy_(1, t, token[:, None])
+        self.logp.index_copy_(1, t, logp[:, None])
+        finished = torch.isin(token, self.stop_ids) & ~self.done
+        self.end.copy_(torch.where(finished, t, self.end))
+        self.done.logical_or_(finished)
+        self.token.copy_(token)
+        self.position.add_(1)
+        self.column.add_(1)
+
+    def capture(self):
+        """Compile (two warm-up steps on a side stream), then record a step as a CUDA graph (what
+        the warm-up writes is overwritten before it is read)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.step()
+            self.step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step()
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary position embedding of (B, H, T, D) heads (HF's rotate-half convention)."""
+    half = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), -1) * sin[:, None]
+
+
+def _layer(layer, x, cos, sin, k_cache, v_cache, columns, mask):
+    """A decoder layer over new tokens: their K, V into the cache at `columns`, attention over the
+    cache. Each K/V head's query heads are packed as rows of one attention: grouped-query attention
+    without repeating the shared K/V (which would copy the cache at every step)."""
+    attention, (B, T, _), D = layer.self_attn, x.shape, k_cache.shape[-1]
+    h = layer.input_layernorm(x)
+    q, k, v = (proj(h).view(B, T, -1, D).transpose(1, 2)
+               for proj in (attention.q_proj, attention.k_proj, attention.v_proj))
+    if hasattr(attention, "q_norm"):  # Qwen3
+        q, k = attention.q_norm(q), attention.k_norm(k)
+    k_cache.index_copy_(2, columns, _rope(k, cos, sin))
+    v_cache.index_copy_(2, columns, v)
+    groups = q.shape[1] // k_cache.shape[1]  # (B, H, T, D) -> (B, H_kv, groups T, D)
+    q = _rope(q, cos, sin).reshape(B, k_cache.shape[1], groups * T, D)
+    out = F.scaled_dot_product_attention(q, k_cache, v_cache, mask.repeat(1, 1, groups, 1),
+                                         scale=D**-0.5)
+    x = x + attention.o_proj(out.view(B, -1, T, D).transpose(1, 2).reshape(B, T, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 STOP: set = set()  # the signals received: once not empty, the loop stops after this step

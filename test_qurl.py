@@ -1693,7 +1693,7 @@ def test_plot_writes_png(tmp_path):
 # The file itself: copyable method functions, metric names in one place
 # ==================================================================================================
 COPYABLE = ["masked_mean", "k3", "group_advantages", "token_loss", "tbpo_loss", "policy_loss",
-            "mismatch_metrics", "int8_shift", "quantize_fp8", "quantize_int8", "quantize_nf4",
+            "mismatch_metrics", "int8_shift", "quantize_fp8", "quantize_int8",
             "quantize", "dequantize", "w8a8_matmul", "QuantLinear", "fake_quant", "aligned_linear",
             "rollout_aligned", "sync_weights", "quantize_actor", "invariant_rescale", "sample",
             "token_logprobs"]
@@ -1783,3 +1783,159 @@ def test_cuda_nf4_dequantizes_into_the_compute_dtype(autocast):
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         y = q(x_c)
     assert y.dtype == torch.bfloat16 and _rel_err(y.float().cpu(), ref) < 0.02
+
+
+@CUDA
+@pytest.mark.parametrize("quant", ["bf16", "fp8"])
+def test_cuda_compiled_sampler_matches_eager(problems, quant):
+    """On a GPU the compiled decode is captured as a CUDA graph; its greedy tokens equal the eager
+    sampler's (bf16 sums may part them on a near tie: at most 2 of 32 rows), and its log-probs match
+    teacher forcing as closely as the eager sampler's."""
+    model, tok = qurl.load_model(TINY, "cuda", torch.float32)
+    sampler = qurl.make_sampler(model, quant, torch.bfloat16)
+    prompts = _mixed_prompts(tok, problems, 32)
+    with qurl.autocast(torch.device("cuda"), torch.float32 if quant == "bf16" else torch.bfloat16):
+        eager = qurl.sample(sampler, tok, prompts, 1, 32, 0.0)
+        compiled = qurl.compiled_sample(sampler, tok, prompts, 1, 32, 0.0)
+        assert all(d.graph is not None for d in qurl.DECODERS[sampler].values())
+        assert sum(a != b for a, b in zip(eager.texts, compiled.texts)) <= 2
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        ro = qurl.compiled_sample(sampler, tok, prompts, 2, 32, 1.0, gen)
+        lp = qurl.token_logprobs(sampler, ro.input_ids, ro.attention_mask, ro.response_mask)
+    diff = ((lp - ro.logp_behav) * ro.response_mask).abs()
+    assert diff.sum() / ro.response_mask.sum() < 0.02 and diff.max() < 0.25
+
+
+# ==================================================================================================
+# The precision ladder and the compiled decode (--compile)
+# ==================================================================================================
+def test_gumbel_max_draws_what_multinomial_draws():
+    """_pick samples argmax(p / E), E ~ Exponential(1): torch.multinomial's own one-sample
+    algorithm, so the same generator state gives the same tokens, with no host sync."""
+    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(1)) * 3
+    for temperature in (1.0, 0.7):
+        probs = torch.softmax(logits / temperature, -1)
+        want = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(5)).squeeze(1)
+        noise = torch.empty_like(probs).exponential_(generator=torch.Generator().manual_seed(5))
+        token, logp = qurl._pick(logits, temperature, noise)
+        assert torch.equal(token, want)
+        torch.testing.assert_close(logp, probs.gather(1, want[:, None]).log().squeeze(1))
+
+
+def test_precision_ladder_mismatch_and_flips(tiny, problems):
+    """--quant none is the actor itself; bf16 and fp16 are half copies refreshed in place. Their
+    mismatch to the fp32 actor's teacher forcing orders as their mantissas do (fp16 has 10 bits,
+    bf16 7), and the flip rate counts the half-precision values a sync changes."""
+    import copy
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    assert qurl.make_sampler(model, "none", torch.bfloat16) is model
+    kl = {}
+    for quant in ("none", "fp16", "bf16"):
+        sampler = qurl.make_sampler(model, quant, torch.float32)
+        ro = qurl.sample(sampler, tok, _mixed_prompts(tok, problems, 16), 4, 24, 1.0,
+                         torch.Generator().manual_seed(0))
+        lp = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask)
+        kl[quant] = float(qurl.masked_mean(qurl.k3(lp.detach() - ro.logp_behav), ro.response_mask))
+    assert kl["none"] < 1e-8 < kl["fp16"] < kl["bf16"] / 4 < 1e-3, kl
+    sampler = qurl.make_sampler(model, "bf16", torch.float32)
+    head = dict(sampler.named_parameters())["model.layers.0.mlp.up_proj.weight"]
+    assert head.dtype == torch.bfloat16 and sampler.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert qurl.sync_weights(sampler, model) == 0.0
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.01)  # 1 % moves most bf16 values
+    flip = qurl.sync_weights(sampler, model)
+    n_lin = sum(m.weight.numel() for _, m in qurl.decoder_linears(model))
+    up = model.model.layers[0].mlp.up_proj.weight
+    assert 0.5 * up.numel() / n_lin < flip <= up.numel() / n_lin
+    assert torch.equal(head, up.to(torch.bfloat16))  # refreshed in place
+
+
+def test_quantized_sampler_lm_head_in_the_compute_dtype_is_exact(tiny, problems):
+    """The quantized sampler holds lm_head in the compute dtype (cast once per sync): under bf16
+    autocast its log-probs equal bit for bit those of an fp32 lm_head cast at every step."""
+    import copy
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    fast, plain = qurl.make_sampler(model, "fp8", torch.bfloat16), qurl.quantize_actor(model, "fp8")
+    assert fast.lm_head.weight.dtype == torch.bfloat16 and fast.model.embed_tokens.weight.dtype == torch.float32
+    assert plain.lm_head.weight is plain.model.embed_tokens.weight  # the tiny model ties them
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.01)  # a sync reaches the untied head
+    qurl.sync_weights(fast, model)
+    qurl.sync_weights(plain, model)
+    with qurl.autocast(torch.device("cpu"), torch.bfloat16):
+        a, b = (qurl.sample(s, tok, _mixed_prompts(tok, problems, 8), 2, 16, 1.0,
+                            torch.Generator().manual_seed(0)) for s in (fast, plain))
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.logp_behav, b.logp_behav)
+
+
+@pytest.fixture(scope="module")
+def compiled_fp8(tiny):
+    """An fp8 sampler of a copy of the tiny actor, decoded once by compiled_sample (the compile)."""
+    import copy
+    model = copy.deepcopy(tiny[0])
+    sampler = qurl.make_sampler(model, "fp8", torch.float32)
+    return model, sampler
+
+
+def test_compiled_decode_equals_the_eager_one(tiny, problems, compiled_fp8):
+    """Greedy tokens equal the eager sampler's; at T = 1 the sampled tokens' logp_behav equal
+    teacher-forced log-probs as closely as the eager sampler's do (1e-5); no warning."""
+    model, sampler = compiled_fp8
+    tok, prompts = tiny[1], _mixed_prompts(tiny[1], problems, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        compiled = qurl.compiled_sample(sampler, tok, prompts, 2, 32, 0.0)
+        eager = qurl.sample(sampler, tok, prompts, 2, 32, 0.0)
+        ro = qurl.compiled_sample(sampler, tok, prompts, 4, 32, 1.0, torch.Generator().manual_seed(0))
+    assert compiled.texts == eager.texts and (compiled.response_mask.sum(1) > 1).all()
+    for a, b in ((compiled, eager),):
+        width_a, width_b = a.prompt_len, b.prompt_len
+        R = int(b.response_mask.sum(1).max())
+        assert torch.equal(a.input_ids[:, width_a:width_a + R] * a.response_mask[:, :R].long(),
+                           b.input_ids[:, width_b:width_b + R] * b.response_mask[:, :R].long())
+    lp = qurl.token_logprobs(sampler, ro.input_ids, ro.attention_mask, ro.response_mask)
+    assert ((lp - ro.logp_behav) * ro.response_mask).abs().max() < 1e-5
+    assert ro.response_mask.sum() > 500 and not ro.truncated.all()
+
+
+def test_compiled_decode_never_recompiles_and_reads_fresh_weights(tiny, problems, compiled_fp8):
+    """Across decode steps, RL steps (other prompts of the same width) and weight syncs after
+    optimizer steps at a large learning rate: no recompilation (dynamo's counter), and the
+    log-probs are those of the updated codes, not of the codes the step was compiled with."""
+    model, sampler = compiled_fp8
+    tok = tiny[1]
+    prompts = [qurl.format_prompt(p["question"], tok) for p in problems[:8]]
+    qurl.compiled_sample(sampler, tok, prompts, 2, 24, 1.0, torch.Generator().manual_seed(0))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch._dynamo.config.error_on_recompile = True
+    try:
+        for step in range(3):
+            stale = qurl.make_sampler(model, "fp8", torch.float32)
+            ids = torch.randint(3, 100, (4, 16), generator=torch.Generator().manual_seed(step))
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            assert qurl.sync_weights(sampler, model) > 0.01
+            batch = [qurl.format_prompt(p["question"], tok) for p in problems[8 * step + 8:][:8]]
+            ro = qurl.compiled_sample(sampler, tok, batch, 2, 24, 1.0,
+                                      torch.Generator().manual_seed(step))
+            fresh = qurl.make_sampler(model, "fp8", torch.float32)  # built from the new weights
+            diff = {}
+            for name, reference in (("fresh", fresh), ("stale", stale)):
+                lp = qurl.token_logprobs(reference, ro.input_ids, ro.attention_mask, ro.response_mask)
+                diff[name] = float(qurl.masked_mean((lp - ro.logp_behav).abs(), ro.response_mask))
+            # (an activation code can flip on the decode's other summation order: not 0 exactly)
+            assert diff["fresh"] < 1e-4 and diff["stale"] > 100 * diff["fresh"], diff
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compile_end_to_end(tmp_path):
+    args = _small_args(tmp_path, run_name="c", quant="fp8", compile=True)
+    qurl.train(args)
+    rows = [json.loads(l) for l in (tmp_path / "c/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["quant/flip_rate"] > 0
+    assert all(v is None or math.isfinite(v) for r in rows for v in r.values())
+    assert 0 < rows[0]["mismatch/kl"] < 0.01

@@ -35,7 +35,6 @@ MODEL_CONFIGS = {
     "qwen3-0.6b": ("qwen3", 1024, 28, 16, 8, 3072, 151936, True, 128),
     "qwen2-h512-l8": ("qwen2", 512, 8, 8, 2, 2048, 151936, True),
 }
-BENCH_RUNS = 3  # timed repetitions of each measurement, after one warm-up; the median is reported
 
 
 def _bench_model(args: Args, opts, device):
@@ -54,10 +53,10 @@ def _bench_model(args: Args, opts, device):
     return model, load_model(str(HERE / "data/tiny-qwen"))[1]
 
 
-def _timed(fn, device) -> tuple[float, object]:
-    """Median seconds of BENCH_RUNS calls of fn (after one warm-up call), and the last result."""
+def _timed(fn, device, runs=3) -> tuple[float, object]:
+    """Median seconds of `runs` calls of fn (after one warm-up call), and the last result."""
     times, out = [], None
-    for i in range(BENCH_RUNS + 1):
+    for i in range(runs + 1):
         _sync(device)
         t = time.perf_counter()
         out = fn()
@@ -79,36 +78,48 @@ def _report(row: dict, device, out: str | None = None) -> dict:
 
 
 def bench_rollout(args: Args, opts) -> list[dict]:
-    """Rollout tokens/s of `sample` for each --bench-batch and every rollout precision, the actor in its training
-    configuration (built from fp32 masters, run under autocast), as a ratio to the unquantized actor; and of
-    transformers' model.generate on the unquantized actor, the same rows. EOS ignored: every row samples
-    --max-new-tokens tokens, as random weights would stop at random."""
+    """Rollout tokens/s of each sampler precision in --precisions, as in training (built from fp32 masters, run
+    under autocast, or a half copy without), for each --bench-batch: eager (`sample`) and, with --compile,
+    compiled (`compiled_sample`; its first call, compilation and graph capture included, is compile_s); the
+    seconds of a weight sync (sync_s); and transformers' model.generate on the bf16 copy, the same rows. EOS
+    ignored: every row samples --max-new-tokens tokens, as random weights would stop at random."""
     device, dtype = resolve_device_dtype(args.dtype)
     model, tok = _bench_model(args, opts, device)
-    problems, rows, base = load_problems(args.test_data, "test", args.fields), [], {}
-    for fmt in ("none", "int8", "fp8", "nf4"):
-        try:
-            actor = make_sampler(model, fmt, dtype)
-        except QurlError as e:  # bitsandbytes missing: bench the other formats
-            notice(f"bench: skipping {fmt} ({e})")
-            continue
+    problems, rows = load_problems(args.test_data, "test", args.fields), []
+    for fmt in opts.precisions.split(","):
+        sampler = make_sampler(model, fmt, dtype)
+        sync_s, _ = _timed(lambda: qurl.sync_weights(sampler, model), device, opts.runs)
+        half = fmt in ("bf16", "fp16")
         for batch in (int(b) for b in opts.bench_batch.split(",")):
             prompts = [format_prompt(problems[i % len(problems)]["question"], tok) for i in range(batch)]
             gen, n = torch.Generator(device=device).manual_seed(args.seed), args.max_new_tokens
+            row = {"model": opts.model_config or Path(args.model).name, "quant": fmt, "dtype": str(dtype)[6:],
+                   "batch": batch, "len": n, "sync_s": sync_s}
             _memory(device, reset=True)
-            with autocast(device, dtype):
-                t, ro = _timed(lambda: sample(actor, tok, prompts, 1, n, generator=gen), device)
-                base[batch] = base.get(batch, batch * n / t)  # "none" comes first: the unquantized baseline
-                row = {"model": opts.model_config or Path(args.model).name, "quant": fmt, "dtype": str(dtype)[6:],
-                       "batch": batch, "len": n, "tok_s": batch * n / t, "ratio_to_unquantized": batch * n / t /
-                       base[batch], "peak_gib": _memory(device) / 2**30}
-                if fmt == "none":  # transformers' own loop on the same rows
+            with autocast(device, torch.float32 if half else dtype):
+                if not opts.no_eager:
+                    t, _ = _timed(lambda: sample(sampler, tok, prompts, 1, n, generator=gen), device, opts.runs)
+                    row["tok_s"] = batch * n / t
+                if args.compile:
+                    start = time.perf_counter()
+                    qurl.compiled_sample(sampler, tok, prompts, 1, n, generator=gen)
+                    _sync(device)
+                    row["compile_s"] = time.perf_counter() - start
+                    t, _ = _timed(lambda: qurl.compiled_sample(sampler, tok, prompts, 1, n, generator=gen), device,
+                                  opts.runs)
+                    row["compiled_tok_s"] = batch * n / t
+                    row["compiled"] = None not in qurl.DECODERS.get(sampler, {None: None}).values()
+                if fmt == "bf16" and not opts.no_eager:  # transformers' own loop on the same rows
                     enc = tok(prompts, return_tensors="pt", padding=True).to(device)
-                    t_gen, _ = _timed(lambda: actor.generate(**enc, do_sample=True, top_k=0, max_new_tokens=n,
-                                                             min_new_tokens=n, pad_token_id=tok.pad_token_id), device)
-                    row["generate_tok_s"] = batch * n / t_gen
+                    t, _ = _timed(lambda: sampler.generate(**enc, do_sample=True, top_k=0, max_new_tokens=n,
+                                                           min_new_tokens=n, pad_token_id=tok.pad_token_id),
+                                  device, opts.runs)
+                    row["generate_tok_s"] = batch * n / t
+            row["peak_gib"] = _memory(device) / 2**30
             rows.append(_report(row, device, opts.out))
-        del actor
+        del sampler
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -128,7 +139,7 @@ def bench_train(args: Args, opts) -> dict:
     prompts = [format_prompt(p["question"], tok) for p in problems]
     coin = random.Random(args.seed)
     times, tok_s = [], []
-    for step in range(BENCH_RUNS + 1):
+    for step in range(opts.runs + 1):
         if step == 1:
             _memory(device, reset=True)
             with autocast(device, dtype):
@@ -176,6 +187,9 @@ def main(argv=None) -> None:
     parser.add_argument("--model-config", choices=list(MODEL_CONFIGS), help="a published shape, random weights")
     parser.add_argument("--bench-batch", default="128", help="rows per rollout batch, comma separated")
     parser.add_argument("--out", help="also append each row as a JSON line to this file")
+    parser.add_argument("--precisions", default="none,fp16,bf16,int8,fp8,nf4", help="rollout: the samplers")
+    parser.add_argument("--runs", type=int, default=3, help="timed repetitions after one warm-up (the median)")
+    parser.add_argument("--no-eager", action="store_true", help="rollout: only the compiled decode")
     opts, rest = parser.parse_known_args(argv)
     qurl.stop_token_ids = lambda model, tokenizer: []  # EOS ignored: every row samples --max-new-tokens tokens
     if not all(b.strip().isdigit() and int(b) > 0 for b in opts.bench_batch.split(",")):
