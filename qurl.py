@@ -1286,6 +1286,7 @@ def finish_run(learner: Learner, run: RunState, args: Args) -> dict:
 DECODERS = weakref.WeakKeyDictionary()  # sampler -> {shape: StaticDecoder, or None: not compiled}
 
 
+@torch.no_grad()
 def compiled_sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64,
                     temperature: float = 1.0, generator: torch.Generator | None = None) -> Rollout:
     """`sample` with a static KV cache and a compiled step, replayed as a CUDA graph on a GPU: a
@@ -1335,9 +1336,11 @@ class StaticDecoder:
         """`_prefill` (eager) into the static cache, then the steps; a host sync every 16."""
         logits, cache, _, stop_ids = _prefill(self.model, tokenizer, input_ids, prompt_mask)
         cache.batch_repeat_interleave(n)
-        if self.cache is None:  # K, V in the dtypes transformers keeps them in
+        if self.cache is None:  # K, V as attention reads them (autocast casts fp32 K at every step)
+            device = logits.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
             self.cache = [t.new_zeros(len(cache.layers), len(self.valid), t.shape[1],
-                                      self.valid.shape[1], t.shape[3])
+                                      self.valid.shape[1], t.shape[3], dtype=dtype or t.dtype)
                           for t in (cache.layers[0].keys, cache.layers[0].values)]
             self.pad, self.stop_ids = tokenizer.pad_token_id, stop_ids
             self.column.fill_(self.width - 1)

@@ -123,6 +123,40 @@ def bench_rollout(args: Args, opts) -> list[dict]:
     return rows
 
 
+def bench_profile(args: Args, opts) -> list[dict]:
+    """GPU time of one compiled decode step (without its graph replay, so each kernel is seen) per sampler
+    precision, from torch.profiler: milliseconds in GEMMs, in attention and in everything else, and the top
+    kernels; it says where a quantized step's time goes."""
+    device, dtype = resolve_device_dtype(args.dtype)
+    model, tok = _bench_model(args, opts, device)
+    problems, rows = load_problems(args.test_data, "test", args.fields), []
+    batch = int(opts.bench_batch.split(",")[0])
+    prompts = [format_prompt(problems[i % len(problems)]["question"], tok) for i in range(batch)]
+    for fmt in opts.precisions.split(","):
+        sampler = make_sampler(model, fmt, dtype)
+        with autocast(device, torch.float32 if fmt in ("bf16", "fp16") else dtype), torch.no_grad():
+            qurl.compiled_sample(sampler, tok, prompts, 1, args.max_new_tokens)
+            decoder = next(iter(qurl.DECODERS[sampler].values()))
+            decoder.step()
+            _sync(device)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(opts.runs):
+                    decoder.step()
+                _sync(device)
+        kernels = sorted(((getattr(e, "device_time_total", 0) / opts.runs / 1e3, e.key)
+                          for e in prof.key_averages()), reverse=True)
+        kind = lambda name: ("gemm" if any(w in name.lower() for w in ("gemm", "cutlass", "matmul", "sm90_xmma"))  # noqa: E731
+                             else "attention" if any(w in name.lower() for w in ("attention", "fmha", "flash"))
+                             else "other")
+        row = {"model": opts.model_config or Path(args.model).name, "quant": fmt, "batch": batch,
+               **{f"{k}_ms": sum(ms for ms, name in kernels if kind(name) == k) for k in ("gemm", "attention", "other")},
+               "top": [(name[:60], round(ms, 3)) for ms, name in kernels[:8]]}
+        rows.append(_report(row, device, opts.out))
+        del sampler, decoder
+        torch.cuda.empty_cache()
+    return rows
+
+
 def bench_train(args: Args, opts) -> dict:
     """Whole RL steps at the real sizes: a warm-up (it allocates AdamW's state), a rollout alone, then BENCH_RUNS
     steps of train_step with --prompts-per-step x --group-size rows of --max-new-tokens tokens (EOS ignored: random
@@ -183,7 +217,7 @@ def _memory(device, reset: bool = False) -> float:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="tools/bench.py", description=__doc__.split("\n")[0], allow_abbrev=False)
-    parser.add_argument("mode", choices=["rollout", "train"])
+    parser.add_argument("mode", choices=["rollout", "train", "profile"])
     parser.add_argument("--model-config", choices=list(MODEL_CONFIGS), help="a published shape, random weights")
     parser.add_argument("--bench-batch", default="128", help="rows per rollout batch, comma separated")
     parser.add_argument("--out", help="also append each row as a JSON line to this file")
@@ -195,7 +229,7 @@ def main(argv=None) -> None:
     if not all(b.strip().isdigit() and int(b) > 0 for b in opts.bench_batch.split(",")):
         parser.error(f"--bench-batch must be positive integers separated by commas, got '{opts.bench_batch}'")
     try:
-        (bench_train if opts.mode == "train" else bench_rollout)(parse_args(rest), opts)
+        {"train": bench_train, "rollout": bench_rollout, "profile": bench_profile}[opts.mode](parse_args(rest), opts)
     except QurlError as e:
         sys.exit(f"bench: error: {e}")
 
