@@ -137,6 +137,7 @@ def bench_profile(args: Args, opts) -> list[dict]:
         with autocast(device, torch.float32 if fmt in ("bf16", "fp16") else dtype), torch.no_grad():
             qurl.compiled_sample(sampler, tok, prompts, 1, args.max_new_tokens)
             decoder = next(iter(qurl.DECODERS[sampler].values()))
+            decoder.column.fill_(decoder.width - 1)  # back to the first token: room for the steps below
             decoder.step()
             _sync(device)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
