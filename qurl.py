@@ -1,9 +1,8 @@
 """qurl: quantized-rollout reinforcement learning for LLM reasoning, in one file.
 
-RL for reasoning spends most of its time generating rollouts. QuRL (arXiv 2602.13953) samples
-them with a quantized copy of the model (the *sampler*, W8A8 FP8 or INT8, or W4A16 NF4, refreshed
-every step) and trains the full-precision fp32 model (the *actor*). The tokens are then slightly
-off-policy, so the loss knows three policies:
+QuRL (arXiv 2602.13953) samples RL rollouts with a quantized copy of the model (the *sampler*:
+W8A8 FP8 or INT8, W4A16 NF4, refreshed every step) and trains the fp32 model (the *actor*), as
+QaRL (arXiv 2604.07853) does. The tokens are then off-policy, so the loss knows three policies:
 
     logp_behav  pi_behav  the sampler that drew the tokens      (recorded by `sample`)
     logp_prox   pi_prox   the actor before this step's update   (`token_logprobs`, no grad)
@@ -11,31 +10,27 @@ off-policy, so the loss knows three policies:
 
 Where each equation lives:
     group_advantages     GRPO: A_i = (R_i - mean R) / (std R + 1e-6) within a group
-    token_loss("naive")  PPO on pi_theta / pi_behav, as if the sampler were the old policy
-    token_loss("tis")    decoupled PPO: R = pi_theta / pi_prox, w = min(pi_prox / pi_behav, C)
-                         (QuRL Eq. 5)
-    token_loss("acr")    ACR: upper bound (1 + eps_high) / min(1, C pi_behav / pi_prox) (QuRL Eq. 9)
-    tbpo_loss            TBPO: sequence ratio, capped weight and trust band (QaRL)
-    k3                   k3 estimate of KL(pi_behav || pi_prox): the mismatch metric
-    quantize, QuantLinear   FP8 / INT8 / NF4 codes; the sampler's quantized linear
+    token_loss("naive")  PPO on pi_theta / pi_behav, the sampler taken for the old policy
+    token_loss("tis")    R = pi_theta / pi_prox, w = min(pi_prox / pi_behav, C) (QuRL Eq. 5)
+    token_loss("acr")    upper bound (1 + eps_high) / min(1, C pi_behav / pi_prox) (QuRL Eq. 9)
+    tbpo_loss            TBPO's sequence ratio, capped weight and trust band (QaRL)
+    k3                   k3 KL(pi_behav || pi_prox): the mismatch metric
+    QuantLinear          the sampler's FP8 / INT8 / NF4 linear
     sync_weights         the weight sync; its flip rate (QuRL's weight-update problem)
     invariant_rescale    W x = (W / s)(s x) (QuRL Eq. 11-12)
-    aligned_linear       QaRL's rollout-aligned forward (--align-forward)
-    train_step, update   one RL step: rollout, pi_prox, PPO epochs, gradient accumulation
+    aligned_linear       QaRL's rollout-aligned forward
+    train_step, update   one RL step: rollout, pi_prox, PPO epochs
 
 Where qurl departs from the papers, and why:
-    1. TBPO: the paper does not print every detail. qurl reads it as a geometric-mean sequence
-       ratio, a sequence weight capped at --is-cap, and out-of-band sequences dropped from the loss
-       and from its denominator.
+    1. TBPO, not printed in full, is read as a geometric-mean sequence ratio, a sequence weight
+       capped at --is-cap, and out-of-band sequences dropped from the loss and its denominator.
     2. One update per rollout is the default (the tiny model learns best so): pi_theta = pi_prox
        at the update, so the PPO clip, ACR and TBPO's band never bind (--mini-batches 4 shows them).
-    3. The sampler keeps its unquantized parts as an fp32 copy run under the actor's autocast, so
-       that the aligned forward reproduces it bit for bit; an engine holds them in bf16.
+    3. The sampler keeps its unquantized parts (lm_head aside) in fp32 under the actor's autocast,
+       so that the aligned forward reproduces it bit for bit; an engine holds them in bf16.
     4. Groups whose rewards are all equal leave the update; the learning rate decays (cosine).
-    5. Evaluation is greedy, of the actor (the model that is trained and saved).
-
-Run: python qurl.py --quant fp8 (the tiny model in data/, 5 minutes on 2 cores); README.md
-for a real Qwen on one GPU. Tests: python -m pytest -q
+    5. Evaluation is greedy, of the actor (the model trained and saved).
+Run: python qurl.py --quant fp8 (README.md: a real Qwen on one GPU). Tests: python -m pytest -q
 """
 from __future__ import annotations
 
@@ -77,7 +72,7 @@ def notice(msg: str) -> None:
 
 
 def arg(default, help: str, **argparse_extras):
-    """A flag: its default, its --help line, argparse extras (choices, nargs)."""
+    """A flag: its default, its --help line, argparse extras (choices, nargs, metavar)."""
     return field(default=default, metadata={"help": help, **argparse_extras})
 
 
@@ -86,7 +81,6 @@ class Args:
     model: str = arg("data/tiny-qwen", "model folder or hub name")
     train_data: str = arg("data/arith_train.jsonl", "problems: a .jsonl file or a hub name")
     test_data: str = arg("data/arith_test.jsonl", "held-out problems")
-    fields: str = arg("question,answer", "the question and gold-answer fields")
     quant: str = arg("fp8", "sampler: W8A8 int8/fp8, W4A16 nf4, a bf16/fp16 copy, none (the actor)",
                      choices=["none", "fp16", "bf16", "int8", "fp8", "nf4"])
     invariant_scale: float | None = arg(None, "QuRL invariant scaling s (1.5 when quantized)")
@@ -116,7 +110,6 @@ class Args:
     out_dir: str = arg("runs", "where runs/<run-name>/ is written")
     run_name: str | None = arg(None, "run folder (default <quant>-<loss>-s<seed>)")
     resume: str | None = arg(None, "continue the run in this folder")
-    wandb: bool = arg(False, "also log to Weights & Biases")
     compile: bool = arg(False, "decode with a static KV cache and a compiled, graph-captured step")
 
 
@@ -126,7 +119,7 @@ SYSTEM_PROMPT = ("Solve the problem step by step. Put the final answer, a number
 
 
 def format_prompt(question: str, tokenizer) -> str:
-    """The chat template where the tokenizer has one (instruct models), else the tiny model's."""
+    """The chat template where the tokenizer has one, else the tiny model's format."""
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "system", "content": SYSTEM_PROMPT},
                     {"role": "user", "content": question}]
@@ -140,16 +133,16 @@ def extract_answer(text: str) -> str | None:
     if "####" in text:
         tail = text.rsplit("####", 1)[1].strip().split("\n")[0]
         return _normalize(tail) if tail else None
-    boxed = _boxed(text)
-    if boxed is not None and boxed.strip():
-        return _normalize(boxed)
+    boxed = re.findall(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}", text)  # one level of nested braces
+    if boxed and boxed[-1].strip():
+        return _normalize(boxed[-1])
     said = re.search(r"answer is[:\s]*\$?\s*(-?[\d,]*\.?\d+(?:\s*/\s*\d+)?)", text, re.IGNORECASE)
     last = said.group(1) if said else _last_number(text)
     return _normalize(last) if last is not None else None
 
 
 def reward(completion: str, gold: str) -> float:
-    """1.0 when the final answer equals the gold one (as numbers: 3.50 == 3.5), else 0.0."""
+    """1.0 when the final answer equals the gold one (3.50 == 3.5), else 0.0."""
     predicted = extract_answer(completion)
     if predicted is None:
         return 0.0
@@ -167,8 +160,8 @@ NF4_BLOCK = 64  # weights per absmax block (QLoRA's NF4, QaRL's W4A16)
 
 
 def quantize_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row FP8 e4m3: x ~= x8 * scale[:, None], scale = amax|row| / 448. A row is an output
-    channel of a weight or a token of an activation (QuRL's W8A8 FP8)."""
+    """Per-row FP8 e4m3 (QuRL's W8A8): x ~= x8 * scale[:, None], scale = amax|row| / 448; a row is
+    a weight's output channel or an activation's token."""
     xf = x.detach().float()
     scale = xf.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
     x8 = (xf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # may not saturate
@@ -185,15 +178,15 @@ def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def int8_shift(x2: Tensor) -> Tensor:
     """(M, 1) powers of 2 that bring each row's absmax under INT8_X_MAX (real checkpoints carry
-    activations of 1e4-1e5); dividing by a power of 2 and multiplying back is exact."""
+    activations of 1e4-1e5); dividing by them and multiplying back is exact."""
     amax = x2.detach().float().abs().amax(dim=-1, keepdim=True)
     return torch.exp2(torch.ceil(torch.log2((amax / INT8_X_MAX).clamp(min=1.0))))
 
 
 def quantize(weight: Tensor, fmt: str) -> tuple[Tensor, Tensor, object]:
     """Weights in the sampler's format: (codes, fp32 scales per row or NF4 block, NF4's state).
-    NF4 (bitsandbytes; QLoRA's 4-bit NormalFloat) scales blocks of 64 weights by their absmax and
-    takes the nearest of 16 normal quantiles."""
+    NF4 (QLoRA's 4-bit NormalFloat) scales blocks of 64 weights by their absmax and takes the
+    nearest of 16 normal quantiles."""
     if fmt == "nf4":
         import bitsandbytes.functional as bnbF
         weight = weight.detach().float().contiguous()
@@ -204,7 +197,7 @@ def quantize(weight: Tensor, fmt: str) -> tuple[Tensor, Tensor, object]:
 
 
 def dequantize(codes: Tensor, scale: Tensor, state, fmt: str) -> Tensor:
-    """fp32 values of `quantize`'s codes: code * scale (INT8: * absmax / 127), or NF4's."""
+    """fp32 values of `quantize`'s codes: code * scale (INT8: absmax / 127)."""
     if fmt == "nf4":
         import bitsandbytes.functional as bnbF
         return bnbF.dequantize_4bit(codes, state)
@@ -239,14 +232,16 @@ def w8a8_matmul(x2: Tensor, weight_q: Tensor, weight_scale: Tensor, fmt: str, ke
 
 
 class QuantLinear(nn.Module):
-    """nn.Linear's stand-in in the sampler. "fp8" (e4m3) and "int8" (bitsandbytes LLM.int8,
-    threshold 0) are W8A8: 8-bit weights with per-output-channel scales, activations quantized per
-    token on the fly. "nf4" is W4A16 (QaRL's class): 4-bit weights, activations left as they are."""
+    """nn.Linear in the sampler. "fp8" (e4m3) and "int8" (bitsandbytes LLM.int8, threshold 0) are
+    W8A8: 8-bit weights with per-output-channel scales, activations quantized per token on the fly.
+    "nf4" is W4A16 (QaRL's class): 4-bit weights, activations left as they are."""
 
     def __init__(self, linear: nn.Linear, fmt: str):
         super().__init__()
         self.fmt, self.in_features, self.out_features = fmt, linear.in_features, linear.out_features
-        self.kernel = {"int8": "bnb", "nf4": "bnb-nf4"}.get(fmt) or self.fp8_kernel(linear.weight)
+        # FP8: torch._scaled_mm on CUDA 8.9+; elsewhere (CPU, A100) the same math, emulated
+        gpu = linear.weight.is_cuda and torch.cuda.get_device_capability() >= (8, 9)
+        self.kernel = {"int8": "bnb", "nf4": "bnb-nf4"}.get(fmt, "scaled_mm" if gpu else "emulate")
         self.register_buffer("weight_q", None)
         self.register_buffer("weight_scale", None)
         self.register_buffer("weight_deq", None, persistent=False)  # CPU: the values, per sync
@@ -254,21 +249,9 @@ class QuantLinear(nn.Module):
         self.nf4_state = None
         self.load_weight(linear.weight)
 
-    @staticmethod
-    def fp8_kernel(weight: Tensor) -> str:
-        """torch._scaled_mm where it runs, else the same math by dequantize-and-matmul."""
-        if not weight.is_cuda:
-            return "emulate"
-        fits = weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
-        if torch.cuda.get_device_capability(weight.device) >= (8, 9) and fits:
-            return "scaled_mm"
-        warnings.warn("FP8: torch._scaled_mm needs compute capability 8.9+ and dims that are "
-                      "multiples of 16: dequantize-and-matmul instead")
-        return "emulate"
-
     @torch.no_grad()
     def load_weight(self, weight: Tensor, bias: Tensor | None = None) -> int:
-        """Re-quantize from full-precision weights, in place; returns how many codes changed."""
+        """Re-quantize in place; returns how many codes changed."""
         codes, scale, state = quantize(weight, self.fmt)
         changed = weight.numel()
         if self.weight_q is None:
@@ -291,9 +274,9 @@ class QuantLinear(nn.Module):
         return changed
 
     def forward(self, x: Tensor) -> Tensor:
-        device_type = x.device.type  # inside torch.autocast a linear returns the autocast dtype
-        autocast_on = torch.is_autocast_enabled(device_type)
-        out_dtype = torch.get_autocast_dtype(device_type) if autocast_on else x.dtype
+        device = x.device.type  # inside torch.autocast a linear returns the autocast dtype
+        autocast_on = torch.is_autocast_enabled(device)
+        out_dtype = torch.get_autocast_dtype(device) if autocast_on else x.dtype
         bias = None if self.bias is None else self.bias.to(out_dtype)
         if self.fmt == "nf4":  # W4A16: the weights meet x in the compute dtype
             weight = self.weight_deq
@@ -309,15 +292,14 @@ class QuantLinear(nn.Module):
 
 
 def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The linears QuRL quantizes: those of the decoder layers (not embeddings, norms, lm_head)."""
+    """The linears QuRL quantizes: the decoder layers' (not embeddings, norms, lm_head)."""
     return [(name, module) for name, module in model.named_modules()
             if isinstance(module, (nn.Linear, QuantLinear)) and ".layers." in f".{name}"]
 
 
 def quantize_actor(actor: nn.Module, fmt: str) -> nn.Module:
     """The sampler: a frozen copy of the actor whose decoder linears are QuantLinear."""
-    # deepcopy's memo puts each QuantLinear in its linear's place: the linears' fp32 weights are
-    # not copied, so there is never a second full copy (a 7B actor is 28 GB in fp32)
+    # deepcopy's memo swaps each linear for its QuantLinear: no second fp32 copy (28 GB at 7B)
     memo = {id(linear): QuantLinear(linear, fmt) for _, linear in decoder_linears(actor)}
     return copy.deepcopy(actor, memo).eval().requires_grad_(False)
 
@@ -325,8 +307,8 @@ def quantize_actor(actor: nn.Module, fmt: str) -> nn.Module:
 @torch.no_grad()
 def sync_weights(sampler: nn.Module, actor: nn.Module) -> float:
     """sampler <- actor, in place: re-quantize every QuantLinear, copy the rest. Returns the flip
-    rate, the share of the decoder linears' codes (bf16/fp16: values) that changed, which shows
-    QuRL's weight-update problem: tiny updates flip none."""
+    rate, the share of the decoder linears' codes (bf16/fp16: values) that changed: QuRL's
+    weight-update problem is that tiny updates flip none."""
     if sampler is actor:
         return 0.0
     actor_modules = dict(actor.named_modules())
@@ -350,15 +332,21 @@ def invariant_rescale(model: nn.Module, s: float) -> None:
     q/k/v and gate/up weights divided by s and the RMSNorm weights feeding them multiplied by s. The
     function is unchanged, but W / s has an s times smaller quantization step while an Adam update
     keeps its size: about s times more updates flip a code and reach the sampler."""
-    for norm, linears in _norms_and_linears(model):
-        norm.weight.mul_(s)  # s x (an RMSNorm's output is linear in its weight)
-        for linear in linears:
-            linear.weight.div_(s)  # W / s (the bias stays: (W / s)(s x) + b = W x + b)
+    if type(model).__name__ not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"):
+        raise QurlError(f"invariant scaling supports Qwen2, Qwen3 and Llama, not "
+                        f"{type(model).__name__}: use --invariant-scale 1")
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        for norm, linears in ((layer.input_layernorm, (attention.q_proj, attention.k_proj,
+                                                       attention.v_proj)),
+                              (layer.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj))):
+            norm.weight.mul_(s)  # s x (an RMSNorm's output is linear in its weight)
+            for linear in linears:
+                linear.weight.div_(s)  # W / s (the bias stays: (W / s)(s x) + b = W x + b)
 
 
 def fake_quant(x: Tensor, fmt: str) -> Tensor:
-    """Quantize-dequantize in the sampler's format, straight-through: the value quantized, the
-    gradient the identity."""
+    """Quantize-dequantize in the sampler's format: the value quantized, the gradient identity."""
     rows = x if fmt == "nf4" else x.reshape(-1, x.shape[-1])
     shift = int8_shift(rows) if fmt == "int8" else 1.0  # as the sampler handles overflow
     values = dequantize(*quantize(rows / shift, fmt), fmt) * shift
@@ -378,8 +366,7 @@ def aligned_linear(linear: nn.Linear, fmt: str, x: Tensor) -> Tensor:
 
 @contextlib.contextmanager
 def rollout_aligned(model: nn.Module | None, fmt: str | None):
-    """Inside this block the decoder linears compute as the sampler's (`aligned_linear`); with
-    fmt None, or no model, nothing changes."""
+    """In this block the decoder linears compute as the sampler's (`aligned_linear`)."""
     linears = [module for _, module in decoder_linears(model)] if fmt and model else []
     for linear in linears:
         linear.forward = lambda x, linear=linear: aligned_linear(linear, fmt, x)
@@ -396,16 +383,16 @@ class Rollout:
     input_ids: Tensor  # (B, P + R): the left-padded prompt, then the response
     attention_mask: Tensor  # (B, P + R): 0 on the left padding
     response_mask: Tensor  # (B, R): 1 up to and including the first EOS (by position)
-    logp_behav: Tensor  # (B, R): each token's log-prob under the distribution it came from
+    logp_behav: Tensor  # (B, R): each token's log-prob where it was drawn
     prompt_len: int  # P: response token r sits at column P + r
-    texts: list[str]  # the decoded responses
-    truncated: Tensor  # (B,): no EOS within max_new_tokens
+    texts: list[str]
+    truncated: Tensor  # (B,): no EOS
 
 
 def _pick(logits: Tensor, temperature: float, noise: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The next token and its log-prob under p = softmax(logits / T), the distribution it is drawn
-    from (no top-k or top-p: the training side would have to reproduce them). Drawn as argmax(p / E)
-    for Exponential(1) `noise` E: torch.multinomial's own one-sample algorithm, with no host sync."""
+    """The next token and its log-prob under p = softmax(logits / T), where it comes from (no top-k
+    or top-p, which the ratio would have to reproduce): argmax(p / E), E ~ Exponential(1) `noise`,
+    is torch.multinomial's own algorithm, with no host sync."""
     if temperature == 0:  # greedy; the log-prob is reported at T = 1
         logp = torch.log_softmax(logits.float(), dim=-1)
         token = logp.argmax(dim=-1)
@@ -418,9 +405,9 @@ def _pick(logits: Tensor, temperature: float, noise: Tensor | None) -> tuple[Ten
 @torch.no_grad()
 def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64,
            temperature: float = 1.0, generator: torch.Generator | None = None) -> Rollout:
-    """n samples of each prompt, one token per step for the whole batch, with a KV cache. Each
-    prompt is prefilled once; finished rows leave the batch once a quarter of it is done. Positions
-    come from the cumulative attention mask, so left padding does not shift RoPE."""
+    """n samples of each prompt, a token per step for the whole batch, with a KV cache. Each prompt
+    is prefilled once; finished rows leave once a quarter of the batch is done. Positions come from
+    the cumulative attention mask: left padding does not shift RoPE."""
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
                         padding_side="left").to(device)
@@ -446,8 +433,7 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
         done = done | finished
         if t == max_new_tokens - 1:
             break
-        # the done count syncs with the host (each step on a CPU, every 8th on CUDA, where
-        # transformers' mask helper syncs at every step anyway)
+        # a host sync: each step on a CPU, every 8th on CUDA (where transformers' mask syncs anyway)
         n_done = int(done.sum()) if device.type == "cpu" or t % 8 == 0 else 0
         if n_done == len(live):
             break
@@ -460,11 +446,12 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
         logits = model(input_ids=token[:, None], attention_mask=attention_mask, use_cache=True,
                        position_ids=position[:, None], **cache_kwarg).logits[:, -1]
         position = position + 1
-    return _finish(tokenizer, input_ids, prompt_mask, n, tokens[:, :t + 1], logp_behav[:, :t + 1], end)
+    R = t + 1
+    return _finish(tokenizer, input_ids, prompt_mask, n, tokens[:, :R], logp_behav[:, :R], end)
 
 
 def _finish(tokenizer, input_ids, prompt_mask, n, tokens, logp_behav, end) -> Rollout:
-    """The Rollout of n samples of each prompt: tokens after the first EOS become padding."""
+    """The Rollout: tokens after the first EOS become padding."""
     R = tokens.shape[1]
     response_mask = (torch.arange(R, device=tokens.device)[None, :] <= end[:, None]).float()
     tokens = tokens.masked_fill(response_mask == 0, tokenizer.pad_token_id)
@@ -478,8 +465,7 @@ def _finish(tokenizer, input_ids, prompt_mask, n, tokens, logp_behav, end) -> Ro
 # ==================== THE METHOD, 4: teacher-forced log-probs
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
                    temperature: float = 1.0, micro_batch: int = 64) -> Tensor:
-    """(B, R) log-probs of the last R tokens under log_softmax(logits / T), in micro-batches. Only
-    the R positions reach lm_head, and no (.., vocab) log-prob tensor is built."""
+    """(B, R) log-probs of the last R tokens under log_softmax(logits / T), in micro-batches."""
     R = response_mask.shape[1]
     temperature = temperature if temperature > 0 else 1.0  # greedy rollouts are scored at T = 1
     out = []
@@ -506,14 +492,14 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
 
 def k3(log_ratio: Tensor) -> Tensor:
-    """Schulman's k3 estimate of KL(p || q) from samples of p, with r = log q/p: e^r - 1 - r."""
+    """Schulman's k3 estimate of KL(p || q) from samples of p, r = log q/p: e^r - 1 - r."""
     r = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return r.exp() - 1 - r
 
 
 def group_advantages(rewards: Tensor, group_size: int) -> tuple[Tensor, int]:
-    """GRPO: A_i = (R_i - mean_group R) / (std_group R + 1e-6), the unbiased std (as TRL). Also
-    counts the groups whose rewards are all equal: they carry no learning signal."""
+    """GRPO: A_i = (R_i - mean_group R) / (std_group R + 1e-6), the unbiased std (as TRL); and how
+    many groups have all rewards equal (no signal)."""
     grouped = rewards.float().view(-1, group_size)
     std = grouped.std(dim=1, keepdim=True)
     adv = (grouped - grouped.mean(dim=1, keepdim=True)) / (std + 1e-6)
@@ -593,8 +579,7 @@ def policy_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor
                 loss: str = "acr", eps_low: float = 0.2, eps_high: float = 0.28,
                 is_cap: float = 2.0, tbpo_band: tuple[float, float, float] = (3e-4, 4e-4, 7e-4),
                 denom: float | None = None) -> tuple[Tensor, dict]:
-    """The one entry point: `tbpo_loss` for loss="tbpo", else `token_loss`; adds the sampled
-    tokens' entropy. The gradient flows into logp only."""
+    """`tbpo_loss` or `token_loss`, with the sampled tokens' entropy; gradient into logp only."""
     if loss == "tbpo":
         out, metrics = tbpo_loss(logp, logp_prox, logp_behav, adv, mask, is_cap, tbpo_band, denom)
     else:
@@ -605,8 +590,8 @@ def policy_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor
 
 
 def mismatch_metrics(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> dict:
-    """How far the sampler is from the actor on the sampled tokens: k3 KL(pi_behav || pi_prox), the
-    mean |log pi_prox - log pi_behav|, the largest pi_prox / pi_behav."""
+    """The sampler's distance to the actor on the sampled tokens: k3 KL(pi_behav || pi_prox),
+    mean |log pi_prox - log pi_behav|, max pi_prox / pi_behav."""
     log_w = (logp_prox - logp_behav).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio_max = log_w.masked_fill(mask == 0, -math.inf).max().exp() if mask.any() else 1.0
     return {"mismatch/kl": float(masked_mean(k3(log_w), mask)),
@@ -621,24 +606,23 @@ MAX_GRAD_NORM = 1.0  # gradient clipping
 @dataclass
 class Learner:
     """What an RL step touches."""
-    actor: nn.Module  # the model being trained: fp32 master weights
+    actor: nn.Module  # the model trained: fp32 master weights
     optimizer: torch.optim.Optimizer  # AdamW over the actor, fp32 state
-    sampler: nn.Module  # the actor's rollout copy (--quant none: the actor itself)
+    sampler: nn.Module  # the actor's rollout copy (--quant none: the actor)
     tokenizer: object
     generator: torch.Generator  # the sampler's random numbers
-    dtype: torch.dtype  # the compute dtype of every forward (fp32: no autocast)
+    dtype: torch.dtype  # the compute dtype (fp32: no autocast)
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
-    """Mixed precision, the standard way: forwards compute in `dtype` on fp32 master weights."""
+    """Mixed precision: forwards compute in `dtype` on fp32 master weights."""
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def make_sampler(actor: nn.Module, quant: str, dtype: torch.dtype) -> nn.Module:
-    """The sampler. none: the actor itself (the zero-mismatch baseline); bf16/fp16: a copy in that
-    dtype (buffers such as RoPE's stay fp32, as engines keep them), run without autocast; int8, fp8,
-    nf4: quantized decoder linears, the rest an fp32 copy run under the actor's autocast, except
-    lm_head, cast to the compute dtype once per sync instead of at every decode step."""
+    """The sampler. none: the actor (the zero-mismatch baseline); bf16, fp16: a copy in that dtype
+    (buffers such as RoPE's stay fp32), run without autocast; int8, fp8, nf4: quantized decoder
+    linears, the rest in fp32 under the actor's autocast but lm_head, cast once per sync."""
     if quant == "none":
         return actor
     if quant in ("bf16", "fp16"):
@@ -653,7 +637,7 @@ def make_sampler(actor: nn.Module, quant: str, dtype: torch.dtype) -> nn.Module:
 
 
 def select(batch: dict, rows) -> dict:
-    """The given rows of a batch (a dict of row-aligned tensors)."""
+    """Some rows of a batch (a dict of row-aligned tensors)."""
     return {key: value[rows] for key, value in batch.items()}
 
 
@@ -664,8 +648,7 @@ def batch_logprobs(model, batch: dict, args: Args) -> Tensor:
 
 
 def train_step(learner: Learner, args: Args, problems: list[dict], step: int) -> dict:
-    """One RL step: sync, rollout, rewards, advantages, pi_prox and the update. Returns its metrics
-    (None where nothing was measured)."""
+    """One RL step: sync, rollout, rewards, advantages, pi_prox, update. Returns its metrics."""
     start = time.time()
     G, device = args.group_size, learner.generator.device
     flip_rate = sync_weights(learner.sampler, learner.actor)  # 1. the sampler <- the actor
@@ -690,7 +673,7 @@ def train_step(learner: Learner, args: Args, problems: list[dict], step: int) ->
     align = args.quant if args.align_forward else None
     with autocast(device, learner.dtype), rollout_aligned(learner.actor, align):
         logp_prox = torch.zeros_like(rollout.logp_behav)
-        if not trained.all():  # 4. pi_prox of the untrained rows too: mismatch/* sees every row
+        if not trained.all():  # 4. pi_prox of the untrained rows too (mismatch/* sees all)
             with torch.no_grad():
                 logp_prox[~trained] = batch_logprobs(learner.actor, select(batch, ~trained), args)
         update_metrics, logp_prox[trained] = update(learner, args, select(batch, trained))
@@ -707,10 +690,9 @@ def train_step(learner: Learner, args: Args, problems: list[dict], step: int) ->
 
 
 def update(learner: Learner, args: Args, batch: dict) -> tuple[dict, Tensor]:
-    """--ppo-epochs passes over the batch, --mini-batches optimizer steps each. Returns the mean
-    metrics and pi_prox, the actor's log-probs before the first step: the first mini-batch's
-    training forward gives its rows' (with one update per rollout, all of them: ~10 % saved), a
-    no-grad forward the others'."""
+    """--ppo-epochs passes, --mini-batches optimizer steps each. Returns the mean metrics and
+    pi_prox, the actor's log-probs before the first step: the first mini-batch's training forward
+    gives its rows' (one update per rollout: all), a no-grad forward the rest."""
     parts = _batches(len(batch["input_ids"]), args.mini_batches)
     logp_prox = torch.zeros_like(batch["logp_behav"])
     if len(parts) > 1:
@@ -741,9 +723,9 @@ def update(learner: Learner, args: Args, batch: dict) -> tuple[dict, Tensor]:
 
 def backward_mini_batch(learner: Learner, args: Args, mini: dict,
                         logp_prox: Tensor | None) -> tuple[dict, bool, Tensor]:
-    """One mini-batch's gradient, accumulated over micro-batches, each loss divided by the whole
-    mini-batch's denominator: the single-pass gradient at a micro-batch's memory. logp_prox None:
-    the forward's own values. Returns (metrics, all finite, the detached logp)."""
+    """A mini-batch's gradient, accumulated over micro-batches, each loss divided by the whole
+    mini-batch's denominator: the one-pass gradient at a micro-batch's memory. logp_prox None: the
+    forward's own. Returns (metrics, all finite, the detached logp)."""
     mask = mini["response_mask"]
     micro = [slice(i, i + args.micro_batch) for i in range(0, len(mask), args.micro_batch)]
     options = dict(loss=args.loss, eps_low=args.eps_low, eps_high=args.eps_high,
@@ -779,8 +761,8 @@ def backward_mini_batch(learner: Learner, args: Args, mini: dict,
 
 # ==================== THE METHOD, 7: the training loop
 def train(args: Args) -> dict:
-    """The RL loop: train_step after train_step, an evaluation every --eval-every steps, a
-    checkpoint every SAVE_EVERY steps and on Ctrl-C or SIGTERM."""
+    """The RL loop: train_step, an evaluation every --eval-every steps, a checkpoint every
+    SAVE_EVERY steps and on Ctrl-C or SIGTERM."""
     learner, run = start_run(args)
     with stop_requests(), open_log(run, args) as log:
         for step in range(run.step + 1, args.steps + 1):
@@ -794,12 +776,11 @@ def train(args: Args) -> dict:
                 run.last_eval = metrics["eval/acc"] = run_eval(learner, args, run.test_set)
             log(metrics | {"opt/lr": learner.optimizer.param_groups[0]["lr"]})
             if STOP or (step % SAVE_EVERY == 0 and step != args.steps):
-                save_checkpoint(learner, run, args)
+                save_checkpoint(learner, run)
             if STOP:
-                notice(f"stopped: checkpoint of step {step} written; continue with: python "
-                       f"qurl.py --resume {run.dir}")
+                notice(f"stopped at step {step}: continue with --resume {run.dir}")
                 raise SystemExit(128 + next(iter(STOP)))  # 130 after Ctrl-C, 143 after SIGTERM
-    save_checkpoint(learner, run, args)
+    save_checkpoint(learner, run)
     return finish_run(learner, run, args)
 
 
@@ -823,16 +804,15 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
         default = f.default if defaults else argparse.SUPPRESS
         if kind == "bool":
             parser.add_argument(name, action=argparse.BooleanOptionalAction, default=default,
-                                help=meta["help"])
+                                **meta)
             continue
-        parser.add_argument(name, type=float if "float" in kind else int if kind == "int" else str,
-                            default=default, help=meta["help"], choices=meta.get("choices"),
-                            nargs=meta.get("nargs"), metavar=meta.get("metavar"))
+        convert = float if "float" in kind else int if kind == "int" else str
+        parser.add_argument(name, type=convert, default=default, **meta)
     return parser
 
 
 def parse_args(argv=None) -> Args:
-    """The flags, checked. --resume DIR starts from the run's args.json; typed flags win."""
+    """The flags, checked; --resume DIR starts from the run's args.json, typed flags win."""
     args = Args(**vars(_parser().parse_args(argv)))
     typed = vars(_parser(defaults=False).parse_args(argv))
     if args.resume:
@@ -851,7 +831,7 @@ def parse_args(argv=None) -> Args:
 
 
 def validate_args(args: Args) -> str | None:
-    """One line on the first value that would crash or silently mislead, else None."""
+    """One line on the first value that would crash or mislead, else None."""
     for name in ("prompts_per_step", "max_new_tokens", "ppo_epochs", "mini_batches", "micro_batch",
                  "eval_every", "lr", "temperature"):
         if getattr(args, name) <= 0:
@@ -871,17 +851,11 @@ def validate_args(args: Args) -> str | None:
 
 
 def flag_notices(args: Args, typed: set[str]) -> list[str]:
-    """A line for each typed flag that does nothing."""
+    """A line for each typed flag that does nothing with the chosen loss."""
     unused = {"naive": {"tbpo_band", "is_cap"}, "tis": {"tbpo_band"}, "acr": {"tbpo_band"},
               "tbpo": {"eps_low", "eps_high"}}[args.loss]
     lines = [f"--{name.replace('_', '-')} does nothing with --loss {args.loss}"
              for name in sorted(unused & typed)]
-    asked = typed & {"loss", "eps_low", "eps_high", "tbpo_band"}
-    if args.ppo_epochs * args.mini_batches == 1 and args.loss != "naive" and asked:
-        what = {"tis": "the clip never binds", "acr": "the clip never binds, ACR equals TIS",
-                "tbpo": "no sequence leaves TBPO's band"}[args.loss]
-        lines.append(f"with one update per rollout pi_theta = pi_prox, so R = 1: {what} (see "
-                     f"--mini-batches)")
     return lines
 
 
@@ -901,23 +875,6 @@ def _batches(n_rows: int, n_parts: int) -> list[slice]:
     """n_parts contiguous slices, their sizes differing by at most one."""
     bounds = [round(i * n_rows / n_parts) for i in range(n_parts + 1)]
     return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-
-
-def _norms_and_linears(model: nn.Module) -> list[tuple[nn.Module, list[nn.Module]]]:
-    """Each RMSNorm of the decoder layers and the linears it feeds (q/k/v; gate/up)."""
-    try:
-        layers = model.model.layers
-        groups = [(layer.input_layernorm, [layer.self_attn.q_proj, layer.self_attn.k_proj,
-                                           layer.self_attn.v_proj]) for layer in layers]
-        groups += [(layer.post_attention_layernorm, [layer.mlp.gate_proj, layer.mlp.up_proj])
-                   for layer in layers]
-    except AttributeError:
-        groups = [(None, [])]
-    if not all(type(norm).__name__ in ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm")
-               for norm, _ in groups):
-        raise QurlError(f"invariant scaling needs RMSNorm layers (Qwen2, Qwen3, Llama), not "
-                        f"{type(model).__name__}'s: use --invariant-scale 1")
-    return groups
 
 
 def _prefill(model, tokenizer, input_ids: Tensor, attention_mask: Tensor):
@@ -954,18 +911,6 @@ def _last_number(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
-def _boxed(text: str) -> str | None:
-    """The last \\boxed{...}'s content."""
-    start = text.rfind("\\boxed")
-    opening = text.find("{", start) if start >= 0 else -1
-    depth = 0
-    for j in range(opening, len(text)) if opening >= 0 else ():
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[opening + 1:j]
-    return None
-
-
 def _normalize(answer: str) -> str:
     """'$1,234.50' -> '1234.5', '\\frac{3}{4}' -> '3/4', '-12 apples' -> '-12'; text lowercased."""
     text = answer.strip().replace("\\!", "").replace("$", "").replace("\\%", "").replace("%", "")
@@ -996,9 +941,8 @@ def _as_number(text: str) -> Fraction | None:
         return None
 
 
-def load_problems(spec: str, split: str = "train", fields: str = "question,answer") -> list[dict]:
+def load_problems(spec: str, split: str = "train") -> list[dict]:
     """[{"question", "gold"}] from a .jsonl file (an error names its line) or a hub data set."""
-    question_field, _, answer_field = fields.partition(",")
     if spec.endswith(".jsonl"):
         if not Path(spec).is_file():
             raise QurlError(f"data file not found: {spec}")
@@ -1012,12 +956,12 @@ def load_problems(spec: str, split: str = "train", fields: str = "question,answe
             row = json.loads(row) if isinstance(row, str) else row
         except json.JSONDecodeError as e:
             raise QurlError(f"{where}: malformed JSON line ({e.msg})") from None
-        if not isinstance(row, dict) or not {question_field, answer_field} <= set(row):
-            raise QurlError(f"{where}: not an object with the fields --fields {fields} names")
-        gold = extract_answer(str(row[answer_field]))
+        if not isinstance(row, dict) or not {"question", "answer"} <= set(row):
+            raise QurlError(f"{where}: not an object with a question and an answer")
+        gold = extract_answer(str(row["answer"]))
         if gold is None:
-            raise QurlError(f"{where}: the gold answer does not parse: {row[answer_field]!r:.80}")
-        problems.append({"question": str(row[question_field]), "gold": gold})
+            raise QurlError(f"{where}: the gold answer does not parse: {row['answer']!r:.80}")
+        problems.append({"question": str(row["question"]), "gold": gold})
     if not problems:
         raise QurlError(f"{spec}: no problems found (empty data set)")
     return problems
@@ -1026,7 +970,7 @@ def load_problems(spec: str, split: str = "train", fields: str = "question,answe
 def _load_from_hub(name: str, split: str) -> list[tuple[str, dict]]:
     """A hub data set's rows (gsm8k: config main)."""
     if Path(name).exists() or name.startswith((".", "/")) or name.count("/") != 1:
-        raise QurlError(f"data '{name}' is neither a .jsonl file nor a hub name (openai/gsm8k)")
+        raise QurlError(f"data '{name}' is neither a .jsonl file nor a hub name")
     import datasets
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
@@ -1048,7 +992,7 @@ def resolve_device_dtype(dtype: str = "auto") -> tuple[torch.device, torch.dtype
 
 
 def model_path(name: str) -> str:
-    """A model folder (also relative to qurl.py) or a hub name."""
+    """A model folder (or one beside qurl.py) or a hub name."""
     if not Path(name).is_dir() and (HERE / name).is_dir():
         return str(HERE / name)
     if not Path(name).is_dir() and (name.startswith((".", "/")) or name.count("/") != 1):
@@ -1066,9 +1010,9 @@ def load_model(name: str = "data/tiny-qwen", device="cpu", dtype=torch.float32):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    except OSError as e:
-        where = "folder" if Path(path).is_dir() else "from the hub (offline? try data/tiny-qwen)"
-        raise QurlError(f"cannot load model '{path}' {where}: {str(e).splitlines()[0]:.200}")
+    except OSError as e:  # (offline, a hub name fails: data/tiny-qwen is local)
+        raise QurlError(f"cannot load model '{path}' (offline? try data/tiny-qwen): "
+                        f"{str(e).splitlines()[0]:.200}")
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -1078,10 +1022,8 @@ def load_model(name: str = "data/tiny-qwen", device="cpu", dtype=torch.float32):
 
 def prepare_actor(actor: nn.Module, grad_checkpointing: bool = False) -> None:
     """No dropout: pi_prox and pi_theta would be noisy estimates of one policy."""
-    for module in actor.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        for name in ("attention_dropout", "dropout"):  # transformers' attention keeps floats
+    for module in actor.modules():  # nn.Dropout's p, and transformers' attention's float
+        for name in ("p", "attention_dropout"):
             if isinstance(getattr(module, name, None), float):
                 setattr(module, name, 0.0)
     if grad_checkpointing:
@@ -1089,14 +1031,14 @@ def prepare_actor(actor: nn.Module, grad_checkpointing: bool = False) -> None:
 
 
 def check_prompt_lengths(model, tokenizer, problems: list[dict], max_new_tokens: int) -> int:
-    """The widest prompt in tokens; one beyond the context is refused."""
+    """The widest prompt in tokens; refuses one beyond the context."""
     prompts = [format_prompt(p["question"], tokenizer) for p in problems]
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     i = max(range(len(lengths)), key=lengths.__getitem__)
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and lengths[i] + max_new_tokens > limit:
-        raise QurlError(f"problem {i + 1}: a prompt of {lengths[i]} tokens + --max-new-tokens "
-                        f"{max_new_tokens} exceeds the model's context of {limit}")
+        raise QurlError(f"problem {i + 1}: {lengths[i]} prompt tokens + --max-new-tokens exceed "
+                        f"the model's context of {limit}")
     return lengths[i]
 
 
@@ -1113,8 +1055,7 @@ def run_dir(args: Args) -> Path:
         number += 1
         folder = Path(args.out_dir) / f"{name}-{number}"
     if folder.exists():
-        raise QurlError(f"run folder {folder} already exists: continue it with --resume "
-                        f"{folder}, or choose another --run-name")
+        raise QurlError(f"run folder {folder} exists: --resume {folder}, or another --run-name")
     return folder
 
 
@@ -1131,23 +1072,18 @@ class RunState:
     first_eval: float | None = None  # the starting accuracy, and the latest
     last_eval: float | None = None
     skipped: int = 0  # updates skipped for a non-finite loss or gradient
-    start_step: int = 0  # where this process started, when, its seconds of rollout and step
-    t_start: float = 0.0
-    rollout_s: float = 0.0
-    step_s: float = 0.0
+    t_start: float = 0.0  # when this process started
 
 
 def start_run(args: Args) -> tuple[Learner, RunState]:
-    """Check the model, data and folder, build the learner, only then write; evaluate the start."""
-    if args.wandb:
-        _wandb()  # a missing package fails first
+    """Check model, data and folder, build the learner, only then write; evaluate the start."""
     device, dtype = resolve_device_dtype(args.dtype)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     actor, tokenizer = load_model(args.model, device, torch.float32)  # fp32 master weights
     prepare_actor(actor, args.grad_checkpointing)
-    train_set = load_problems(args.train_data, "train", args.fields)
-    test_set = load_problems(args.test_data, "test", args.fields)[:args.eval_size or None]
+    train_set = load_problems(args.train_data, "train")
+    test_set = load_problems(args.test_data, "test")[:args.eval_size or None]
     check_prompt_lengths(actor, tokenizer, train_set + test_set, args.max_new_tokens)
     folder = run_dir(args)
     scale = args.invariant_scale or (1.0 if args.quant == "none" else 1.5)
@@ -1172,7 +1108,7 @@ def start_run(args: Args) -> tuple[Learner, RunState]:
             (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
         except OSError as e:
             raise QurlError(f"cannot write to {folder} ({e.strerror}); choose another --out-dir")
-    run.start_step, run.t_start = run.step, time.time()
+    run.t_start = time.time()
     if not ckpt:
         run.first_eval = run_eval(learner, args, test_set)
         notice(f"step 0: eval/acc {run.first_eval:.3f} on {len(test_set)} held-out problems")
@@ -1203,46 +1139,29 @@ def evaluate(model, tokenizer, problems: list[dict], max_new_tokens=32, batch_si
 
 @contextlib.contextmanager
 def open_log(run: RunState, args: Args):
-    """A function that logs a step: a metrics.jsonl row, --wandb, a progress line."""
-    config = dataclasses.asdict(args)
-    send = args.wandb and _wandb().init(project="qurl", name=run.dir.name, config=config).log
+    """A function that logs a step: a metrics.jsonl row, and a progress line."""
     with open(run.dir / "metrics.jsonl", "a") as file:
         def log(metrics: dict) -> None:
             run.skipped += metrics["guard/skipped"]
             row = {key: metrics.get(key) for key in METRIC_KEYS} | {"guard/skipped": run.skipped}
             file.write(json.dumps(row) + "\n")
             file.flush()
-            if send:
-                send({k: v for k, v in row.items() if v is not None and k != "step"}, step=run.step)
-            run.rollout_s += row["perf/rollout_frac"] * row["perf/step_s"]
-            run.step_s += row["perf/step_s"]
             if run.step % LOG_EVERY == 0 or run.step == args.steps:
                 elapsed = time.time() - run.t_start
-                eta = elapsed / max(run.step - run.start_step, 1) * (args.steps - run.step)
                 print(f"step {run.step:4d}/{args.steps} reward {row['reward/mean']:.3f} eval "
                       f"{run.last_eval or 0:.3f} kl {row['mismatch/kl']:.1e} flip "
                       f"{row['quant/flip_rate']:.2%} tok/s {row['perf/rollout_tok_s']:.0f} "
-                      f"[{elapsed:.0f}s<{eta:.0f}s]", flush=True)
+                      f"[{elapsed:.0f}s]", flush=True)
         yield log
 
 
-def _wandb():
-    try:
-        import wandb
-    except ImportError:
-        raise QurlError("--wandb needs the wandb package: pip install wandb (or drop --wandb)")
-    return wandb
-
-
-def save_checkpoint(learner: Learner, run: RunState, args: Args) -> None:
-    """What a run resumes from, moved into place by one os.replace: a crash leaves the old
-    checkpoint or the new one."""
+def save_checkpoint(learner: Learner, run: RunState) -> None:
+    """What a run resumes from, moved into place by os.replace: a crash leaves a whole one."""
     sampler = None if learner.sampler is learner.actor else learner.sampler.state_dict()
     state = {"step": run.step, "data_pos": run.data_pos, "skipped": run.skipped,
              "first_eval": run.first_eval, "actor": learner.actor.state_dict(),
              "optimizer": learner.optimizer.state_dict(), "sampler": sampler,  # its codes: flips
-             "rng": (random.getstate(), torch.get_rng_state(), learner.generator.get_state()),
-             "args": dataclasses.asdict(args)}
+             "rng": (random.getstate(), torch.get_rng_state(), learner.generator.get_state())}
     torch.save(state, run.dir / "ckpt.pt.tmp")
     os.replace(run.dir / "ckpt.pt.tmp", run.dir / "ckpt.pt")
 
@@ -1259,12 +1178,11 @@ def resume_from(learner: Learner, run: RunState, ckpt: dict) -> None:
     log = run.dir / "metrics.jsonl"  # rows logged after the checkpoint would come twice
     rows = log.read_text().splitlines() if log.exists() else []
     log.write_text("".join(row + "\n" for row in rows if json.loads(row)["step"] <= run.step))
-    notice(f"resumed {run.dir} at step {run.step}")
 
 
 def finish_run(learner: Learner, run: RunState, args: Args) -> dict:
     """final/: the fp32 actor (bf16 would round away RL's small updates), invariant scaling folded
-    back; summary.json, with the thread count (a seed replays a run only at that count)."""
+    back; summary.json (a seed replays a run only at the same torch thread count)."""
     if run.scale != 1.0:
         invariant_rescale(learner.actor, 1.0 / run.scale)
     learner.actor.save_pretrained(run.dir / "final")
@@ -1273,12 +1191,10 @@ def finish_run(learner: Learner, run: RunState, args: Args) -> dict:
     (run.dir / "final" / "qurl.json").write_text(json.dumps(folded) + "\n")
     summary = {"start_eval_acc": run.first_eval, "final_eval_acc": run.last_eval,
                "wall_s": round(time.time() - run.t_start, 1), "steps": args.steps,
-               "rollout_frac": run.rollout_s / max(run.step_s, 1e-9),
                "skipped_updates": run.skipped, "torch_threads": torch.get_num_threads()}
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"done: eval/acc {run.first_eval or 0:.3f} -> {run.last_eval:.3f} in "
-          f"{summary['wall_s']:.0f}s (rollout {summary['rollout_frac']:.0%} of step time); run "
-          f"folder {run.dir}", flush=True)
+          f"{summary['wall_s']:.0f}s; run folder {run.dir}", flush=True)
     return summary
 
 
@@ -1289,14 +1205,12 @@ DECODERS = weakref.WeakKeyDictionary()  # sampler -> {shape: StaticDecoder, or N
 @torch.no_grad()
 def compiled_sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64,
                     temperature: float = 1.0, generator: torch.Generator | None = None) -> Rollout:
-    """`sample` with a static KV cache and a compiled step, replayed as a CUDA graph on a GPU: a
-    few launches a token, not ~1,000. The same tokens and log-probs up to float summation order; a
-    sampler that does not compile is decoded by `sample`, said once."""
+    """`sample` with a static KV cache and a compiled step, a CUDA graph on a GPU: a few launches a
+    token, not ~1,000. The same tokens and log-probs up to float sums; what does not compile is
+    decoded by `sample`, said once."""
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
-                        padding_side="left").to(next(model.parameters()).device)
-    extra = -encoded["input_ids"].shape[1] % 64  # widths rounded up to 64: few shapes to compile
-    input_ids = F.pad(encoded["input_ids"], (extra, 0), value=tokenizer.pad_token_id)
-    prompt_mask = F.pad(encoded["attention_mask"], (extra, 0))
+                        padding_side="left", pad_to_multiple_of=64).to(model.device)  # few shapes
+    input_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]
     decoders = DECODERS.setdefault(model, {})
     shape = (len(prompts) * n, input_ids.shape[1], max_new_tokens, temperature)
     try:
@@ -1312,14 +1226,12 @@ def compiled_sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_to
 
 
 class StaticDecoder:
-    """One shape's decode loop in static buffers. A decoder layer is compiled once and run for
-    every layer; on a GPU a whole step is captured as a CUDA graph. Weights are read in place."""
+    """A decode loop in static buffers: one decoder layer compiled, run for every layer; on a GPU
+    a step captured as a CUDA graph. The weights are read in place."""
 
     def __init__(self, model, rows, width, max_new_tokens, temperature):
         import torch._inductor.config
         torch._inductor.config.emulate_precision_casts = True  # bf16 rounding exactly as eager
-        torch._dynamo.config.cache_size_limit = 64  # a graph per shape and precision
-        warnings.filterwarnings("ignore", "bf16 and fp16 are mixed")  # inductor's note on INT8
         device, long = next(model.parameters()).device, torch.long
         self.model, self.width, self.temperature, self.cache, self.graph = (
             model, width, temperature, None, None)
@@ -1333,10 +1245,10 @@ class StaticDecoder:
         self.layer, self.pick = torch.compile(_layer, dynamic=False), torch.compile(self.next)
 
     def run(self, tokenizer, input_ids, prompt_mask, n, generator) -> Rollout:
-        """`_prefill` (eager) into the static cache, then the steps; a host sync every 16."""
+        """`_prefill` into the static cache, then the steps (a host sync every 16)."""
         logits, cache, _, stop_ids = _prefill(self.model, tokenizer, input_ids, prompt_mask)
         cache.batch_repeat_interleave(n)
-        if self.cache is None:  # K, V as attention reads them (autocast casts fp32 K at every step)
+        if self.cache is None:  # K, V as attention reads them (not autocast's fp32 K)
             device = logits.device.type
             dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
             self.cache = [t.new_zeros(len(cache.layers), len(self.valid), t.shape[1],
@@ -1344,8 +1256,16 @@ class StaticDecoder:
                           for t in (cache.layers[0].keys, cache.layers[0].values)]
             self.pad, self.stop_ids = tokenizer.pad_token_id, stop_ids
             self.column.fill_(self.width - 1)
-            if logits.is_cuda:
-                self.capture()
+            if logits.is_cuda:  # compile (two steps on a side stream, whose writes are rewritten
+                stream = torch.cuda.Stream()  # before they are read), then capture one step
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self.step()
+                    self.step()
+                torch.cuda.current_stream().wait_stream(stream)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.step()
         for i, layer in enumerate(cache.layers):
             self.cache[0][i, :, :, :self.width] = layer.keys
             self.cache[1][i, :, :, :self.width] = layer.values
@@ -1371,7 +1291,7 @@ class StaticDecoder:
                        self.logp[:, :steps].clone(), self.end.clone())
 
     def step(self):
-        """The last tokens through every layer, then the next ones picked."""
+        """The last tokens through every layer, then the next ones."""
         body = self.model.model
         x = body.embed_tokens(self.token[:, None])
         cos, sin = body.rotary_emb(x, self.position[:, None])
@@ -1382,7 +1302,7 @@ class StaticDecoder:
         self.pick(self.model.lm_head(body.norm(x))[:, -1])
 
     def next(self, logits):
-        """Each row's next token and log-prob, into the static outputs."""
+        """Each row's next token and log-prob, into the outputs."""
         token, logp = _pick(logits, self.temperature, self.noise)
         t = self.column - self.width + 1  # the output column of the token drawn
         token = torch.where(self.done, self.pad, token)
@@ -1395,30 +1315,17 @@ class StaticDecoder:
         self.position.add_(1)
         self.column.add_(1)
 
-    def capture(self):
-        """Compile (two warm-up steps on a side stream), then record a step as a CUDA graph (what
-        the warm-up writes is overwritten before it is read)."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.step()
-            self.step()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.step()
-
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary position embedding of (B, H, T, D) heads (HF's rotate-half convention)."""
+    """Rotary position embedding of (B, H, T, D) heads (HF's convention)."""
     half = x.shape[-1] // 2
     return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), -1) * sin[:, None]
 
 
 def _layer(layer, x, cos, sin, k_cache, v_cache, columns, mask):
     """A decoder layer over new tokens: their K, V into the cache at `columns`, attention over the
-    cache. Each K/V head's query heads are packed as rows of one attention: grouped-query attention
-    without repeating the shared K/V (which would copy the cache at every step)."""
+    cache with each K/V head's query heads packed as rows of one attention (grouped-query
+    attention without repeating K/V, which would copy the cache at every step)."""
     attention, (B, T, _), D = layer.self_attn, x.shape, k_cache.shape[-1]
     h = layer.input_layernorm(x)
     q, k, v = (proj(h).view(B, T, -1, D).transpose(1, 2)
@@ -1435,18 +1342,15 @@ def _layer(layer, x, cos, sin, k_cache, v_cache, columns, mask):
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-STOP: set = set()  # the signals received: once not empty, the loop stops after this step
+STOP: set = set()  # the signals received
 
 
 @contextlib.contextmanager
 def stop_requests():
-    """In this block Ctrl-C and SIGTERM (a preemption) ask the loop to finish the step, write a
-    checkpoint and exit; a second signal aborts at once."""
-    import threading
+    """Here Ctrl-C and SIGTERM (a preemption) ask the loop to finish the step, checkpoint and
+    exit; a second signal aborts at once."""
     STOP.clear()
-    on_main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, _request_stop)
-                for sig in ((signal.SIGINT, signal.SIGTERM) if on_main else ())}
+    previous = {sig: signal.signal(sig, _request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield STOP
     finally:
@@ -1456,11 +1360,11 @@ def stop_requests():
 
 def _request_stop(signum, frame):
     name = signal.Signals(signum).name
-    if STOP:  # a second signal: stop now, without a checkpoint of this step
-        notice(f"{name} again: aborting now; the last checkpoint written is kept")
+    if STOP:  # a second signal: now, without a checkpoint of this step
+        notice(f"{name} again: aborting; the last checkpoint is kept")
         raise SystemExit(128 + signum)
     STOP.add(signum)
-    notice(f"{name}: finishing this step, then writing a checkpoint (again: abort now)")
+    notice(f"{name}: finishing this step, then a checkpoint (again: abort now)")
 
 
 def main(argv=None) -> None:

@@ -340,22 +340,6 @@ def test_fp8_scaled_mm_and_emulation_agree():
     torch.testing.assert_close(c(x), _fp8(lin, "scaled_mm")(x), rtol=1e-5, atol=1e-6)
 
 
-def test_fp8_kernel_choice_says_when_the_gpu_cannot_run_scaled_mm(monkeypatch):
-    """_scaled_mm needs CUDA compute capability 8.9+ and dims that are multiples of 16; elsewhere
-    the emulation, with one warning that names the reason."""
-    import types
-    gpu = types.SimpleNamespace(is_cuda=True, device="cuda:0", shape=(64, 32))
-    for capability, shape, want in (((9, 0), (64, 32), "scaled_mm"), ((8, 0), (64, 32), "emulate"),
-                                    ((9, 0), (40, 24), "emulate")):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
-        gpu.shape = shape
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            assert qurl.QuantLinear.fp8_kernel(gpu) == want
-        assert len(seen) == (want == "emulate") and all("8.9" in str(w.message) for w in seen)
-    assert qurl.QuantLinear.fp8_kernel(torch.zeros(64, 32)) == "emulate"  # the CPU
-
-
 def test_quantize_fp8_clamps_and_scales():
     w = torch.tensor([[1000.0, -2.0, 0.5], [0.0, 0.0, 0.0]])
     w8, s = qurl.quantize_fp8(w)
@@ -1342,7 +1326,7 @@ def test_evaluate_reproduces_warmup_record(tiny, problems):
         (
             '{"question": "What is 1 + 1?", "answer": "#### 2"}\n'
             '{"prompt": "x", "answer": "#### 1"}\n',
-            [":2:", "--fields question,answer"],
+            [":2:", "not an object with a question and an answer"],
         ),
         ('{"question": "What is 1 + 1?", "answer": "no number here"}\n', [":1:", "does not parse"]),
     ],
@@ -1374,7 +1358,6 @@ def test_missing_or_unknown_data_file(tmp_path):
     (["--steps", "0", "--model", "no/such/dir"], ["model not found"]),
     (["--steps", "0", "--model", "Qwen/Qwen2.5-0.5B-Instruct"], ["offline", "data/tiny-qwen"]),
     (["--steps", "0", "--train-data", "openai/gsm8k"], ["offline", "local"]),
-    (["--steps", "0", "--fields", "question"], ["--fields question"]),
     (["--align-forward", "--quant", "none"], ["--align-forward needs --quant"]),
     (["--temperature", "0"], ["--temperature must be > 0", "greedy"]),
     (["--dtype", "float16"], ["--dtype float16 is not supported", "bfloat16"]),
@@ -1386,24 +1369,17 @@ def test_bad_cli_input_one_line(tmp_path, argv, needles):
     assert_one_line_error(run_cli(*argv, "--out-dir", str(tmp_path), **env), *needles)
 
 
-@pytest.mark.parametrize(
-    "argv,expect",
-    [
-        (["--loss", "tbpo", "--eps-high", "0.3"], "--eps-high does nothing with --loss tbpo"),
-        (["--loss", "naive", "--is-cap", "3"], "--is-cap does nothing with --loss naive"),
-        (["--loss", "acr"], "ACR equals TIS"),
-        (["--loss", "tbpo"], "no sequence leaves TBPO's band"),
-        (
-            ["--loss", "acr", "--tbpo-band", "1e-3", "1e-3", "1e-3"],
-            "--tbpo-band does nothing with --loss acr",
-        ),
-    ],
-)
+@pytest.mark.parametrize("argv,expect", [
+    (["--loss", "tbpo", "--eps-high", "0.3"], "--eps-high does nothing with --loss tbpo"),
+    (["--loss", "naive", "--is-cap", "3"], "--is-cap does nothing with --loss naive"),
+    (["--loss", "acr", "--tbpo-band", "1e-3", "1e-3", "1e-3"],
+     "--tbpo-band does nothing with --loss acr"),
+])
 def test_flags_that_do_not_act_say_so(capsys, argv, expect):
     qurl.parse_args(argv)
     assert expect in capsys.readouterr().err
-    qurl.parse_args(["--loss", argv[1], "--mini-batches", "2"])
-    assert "pi_theta = pi_prox" not in capsys.readouterr().err
+    qurl.parse_args(["--loss", argv[1]])
+    assert "does nothing" not in capsys.readouterr().err
 
 
 def test_run_dir_rules(tmp_path, tiny):
@@ -1417,11 +1393,11 @@ def test_run_dir_rules(tmp_path, tiny):
     # a fresh process: the tokenizer's own "longer than the maximum" log line must not reach the
     # user
     res = run_cli(*common, "--train-data", str(long_q), "--run-name", "long", fresh=True)
-    assert_one_line_error(res, "exceeds the model's context")
+    assert_one_line_error(res, "the model's context")
     assert not (Path(out) / "long").exists()  # refused before anything was written
     assert run_cli(*common, "--run-name", "a").returncode == 0
     before = (Path(out) / "a/metrics.jsonl").read_text()
-    assert_one_line_error(run_cli(*common, "--run-name", "a"), "already exists", "--resume")
+    assert_one_line_error(run_cli(*common, "--run-name", "a"), "exists", "--resume")
     assert (Path(out) / "a/metrics.jsonl").read_text() == before  # nothing overwritten
     assert run_cli(*common).returncode == 0 and run_cli(*common).returncode == 0  # a default name
     # numbered
@@ -1530,7 +1506,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     args = _small_args(tmp_path, run_name="c", quant="none", steps=1, eval_size=4)
     learner, run = qurl.start_run(args)
     run.step = 7
-    qurl.save_checkpoint(learner, run, args)
+    qurl.save_checkpoint(learner, run)
     real_save = torch.save
 
     def disk_full(state, path):
@@ -1539,40 +1515,10 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "save", disk_full)
     run.step = 8
     with pytest.raises(OSError):
-        qurl.save_checkpoint(learner, run, args)
+        qurl.save_checkpoint(learner, run)
     monkeypatch.setattr(torch, "save", real_save)
     assert torch.load(tmp_path / "c/ckpt.pt", weights_only=False)["step"] == 7  # the previous one
 
-
-class _FakeWandb:
-    """Records what qurl sends to wandb (init, then run.log)."""
-    def __init__(self):
-        self.kw, self.rows = None, {}
-
-    def init(self, **kw):
-        self.kw = kw
-        return self
-
-    def log(self, values, step):
-        self.rows[step] = dict(values)
-
-
-def test_wandb_receives_the_metrics_jsonl_rows(tmp_path, monkeypatch):
-    fake = _FakeWandb()
-    monkeypatch.setitem(sys.modules, "wandb", fake)
-    qurl.train(_small_args(tmp_path, run_name="t", quant="fp8", wandb=True))
-    rows = [json.loads(l) for l in (tmp_path / "t/metrics.jsonl").read_text().splitlines()]
-    assert sorted(fake.rows) == [r["step"] for r in rows] and fake.kw["config"]["wandb"] is True
-    for r in rows:
-        assert fake.rows[r["step"]] == {k: v for k, v in r.items() if v is not None and k != "step"}
-
-
-def test_wandb_without_its_package_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "wandb", None)  # import raises ImportError
-    res = run_cli("--wandb", "--out-dir", str(tmp_path), "--run-name", "x", "--mini-batches", "2")
-    line = assert_one_line_error(res, "pip install wandb")
-    assert res.returncode == 2 and res.stderr.strip() == line  # that line and nothing else
-    assert not (tmp_path / "x").exists()
 
 # ==================================================================================================
 # Tools (tools/): the dry run and its memory estimate, benchmarks, plots
@@ -1595,25 +1541,38 @@ def dry_run():
     return _script(HERE / "tools" / "dry_run.py", "dry_run")
 
 
-def test_memory_estimate_terms_against_the_objects_they_count(tiny, dry_run):
-    """The estimate's sampler is what quant_bytes measures on a real sampler (plus the fp32 rest);
-    its activations and logits scale as documented; gradient checkpointing shrinks activations."""
-    model, estimate = tiny[0], dry_run.estimate_memory
-    n_par = sum(p.numel() for p in model.parameters())
-    for fmt in ("fp8", "nf4"):
-        codes, n_lin = quant_bytes(qurl.quantize_actor(model, fmt))
+def test_memory_estimate_terms_against_the_objects_they_count(tiny, problems, dry_run):
+    """The estimate's sampler is what a real sampler holds (codes and scales, the fp32 rest, the
+    bf16 lm_head beside the tied embedding); its KV cache is in the dtypes transformers keeps under
+    autocast (K fp32, V bf16) and --compile keeps (both bf16); activations and logits scale as
+    documented; gradient checkpointing shrinks the activations."""
+    model, tok = tiny
+    estimate = dry_run.estimate_memory
+    for fmt in ("fp8", "nf4", "bf16"):
+        sampler = qurl.make_sampler(model, fmt, torch.bfloat16)
+        codes, n_lin = quant_bytes(sampler)
+        held = codes + sum(p.numel() * p.element_size() for p in sampler.parameters())
         est = estimate(model, 64, 20, 32, 16, False, fmt, torch.bfloat16, "cuda")
-        scales = codes - n_lin * (0.5 if fmt == "nf4" else 1)
-        # per-row scales aside (fp8)
-        assert abs(est["sampler"] * 2**30 - (codes + 4 * (n_par - n_lin))) <= scales
-    a, b = (
-        estimate(model, 64, 20, 32, 16, ck, "fp8", torch.bfloat16, "cuda") for ck in (False, True)
-    )
+        scales = codes - n_lin * (0.5 if fmt == "nf4" else 1) if codes else 0
+        assert abs(est["sampler"] * 2**30 - held) <= scales, fmt  # per-row scales aside (fp8)
+    sampler = qurl.make_sampler(model, "fp8", torch.bfloat16)
+    enc = tok(_mixed_prompts(tok, problems, 4), return_tensors="pt", padding=True)
+    with qurl.autocast(torch.device("cpu"), torch.bfloat16):
+        _, cache, _, _ = qurl._prefill(sampler, tok, enc["input_ids"], enc["attention_mask"])
+        qurl.compiled_sample(sampler, tok, _mixed_prompts(tok, problems, 4), 1, 4, 0.0)
+    assert (cache.layers[0].keys.dtype, cache.layers[0].values.dtype) == (torch.float32,
+                                                                          torch.bfloat16)
+    compiled = next(iter(qurl.DECODERS[sampler].values())).cache
+    assert [c.dtype for c in compiled] == [torch.bfloat16, torch.bfloat16]
+    eager, fast = (estimate(model, 64, 20, 32, 16, False, "fp8", torch.bfloat16, "cuda", c)
+                   for c in (False, True))
+    kv = 64 * 52 * model.config.num_hidden_layers * 64  # rows x tokens x layers x K/V width
+    assert (eager["rollout"] - fast["rollout"]) * 2**30 == pytest.approx(kv * 2)  # 6 B vs 4 B
+    a, b = (estimate(model, 64, 20, 32, 16, ck, "fp8", torch.bfloat16, "cuda") for ck in (False, True))
     assert b["activations"] < a["activations"]
     logits = 16 * 16 * 33 * model.config.vocab_size / 2**30  # 16 B each
     assert a["logits"] == b["logits"] == pytest.approx(logits)
-    # twice the micro-batch
-    c = estimate(model, 64, 20, 32, 32, False, "fp8", torch.bfloat16, "cuda")
+    c = estimate(model, 64, 20, 32, 32, False, "fp8", torch.bfloat16, "cuda")  # twice the micro-batch
     assert c["activations"] == pytest.approx(2 * a["activations"]) and c["rollout"] == a["rollout"]
 
 
@@ -1624,18 +1583,19 @@ def test_dry_run_meta_model_matches_the_loaded_one(tiny, dry_run):
     assert all(p.device.type == "meta" for p in model.parameters())
 
 
-def test_bench_rollout_on_the_tiny_model(tmp_path):
+def test_bench_rollout_on_the_tiny_model(tmp_path, monkeypatch):
     """bench.py rollout: every sampler precision as a ratio to the unquantized one (in bf16 too:
     the NF4 sampler once crashed there), and model.generate on the same rows."""
     out = tmp_path / "bench.jsonl"
     bench = _script(HERE / "tools" / "bench.py", "bench")
+    monkeypatch.setattr(qurl, "stop_token_ids", qurl.stop_token_ids)  # bench.main ignores EOS
     bench.main(["rollout", "--dtype", "bfloat16", "--bench-batch", "4,8", "--max-new-tokens", "8",
-                "--out", str(out)])
+                "--out", str(out), "--runs", "1"])
     rows = [json.loads(l) for l in out.read_text().splitlines()]
     assert [(r["quant"], r["batch"], r["dtype"]) for r in rows] == [
-        (q, b, "bfloat16") for q in ("none", "int8", "fp8", "nf4") for b in (4, 8)]
-    assert all(r["tok_s"] > 0 for r in rows) and rows[0]["generate_tok_s"] > 0
-    assert rows[0]["ratio_to_unquantized"] == 1
+        (q, b, "bfloat16") for q in ("none", "fp16", "bf16", "int8", "fp8", "nf4") for b in (4, 8)]
+    assert all(r["tok_s"] > 0 and r["sync_s"] >= 0 for r in rows)
+    assert all(("generate_tok_s" in r) == (r["quant"] == "bf16") for r in rows)
 
 
 def test_bench_train_measures_peaks_beside_the_estimate(tmp_path):
@@ -1713,9 +1673,10 @@ def test_method_functions_need_at_most_three_other_module_names():
         if isinstance(t, ast.Name)
     }
     for name in COPYABLE:
-        used = {x.id for x in ast.walk(defs[name]) if isinstance(x, ast.Name)} & module_names - {
-            name
-        }
+        notes = {id(x) for n in ast.walk(defs[name]) for note in (getattr(n, "annotation", None),
+                 getattr(n, "returns", None)) if note is not None for x in ast.walk(note)}
+        used = {x.id for x in ast.walk(defs[name])
+                if isinstance(x, ast.Name) and id(x) not in notes} & module_names - {name}
         assert len(used) <= 3, (name, sorted(used))
 
 
@@ -1856,7 +1817,8 @@ def test_quantized_sampler_lm_head_in_the_compute_dtype_is_exact(tiny, problems)
     import copy
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
     fast, plain = qurl.make_sampler(model, "fp8", torch.bfloat16), qurl.quantize_actor(model, "fp8")
-    assert fast.lm_head.weight.dtype == torch.bfloat16 and fast.model.embed_tokens.weight.dtype == torch.float32
+    assert fast.lm_head.weight.dtype == torch.bfloat16
+    assert fast.model.embed_tokens.weight.dtype == torch.float32
     assert plain.lm_head.weight is plain.model.embed_tokens.weight  # the tiny model ties them
     with torch.no_grad():
         model.lm_head.weight.add_(0.01)  # a sync reaches the untied head
@@ -1870,32 +1832,41 @@ def test_quantized_sampler_lm_head_in_the_compute_dtype_is_exact(tiny, problems)
 
 @pytest.fixture(scope="module")
 def compiled_fp8(tiny):
-    """An fp8 sampler of a copy of the tiny actor, decoded once by compiled_sample (the compile)."""
+    """An fp8 sampler of a copy of the tiny actor (its first compiled_sample compiles)."""
     import copy
     model = copy.deepcopy(tiny[0])
-    sampler = qurl.make_sampler(model, "fp8", torch.float32)
-    return model, sampler
+    return model, qurl.make_sampler(model, "fp8", torch.float32)
+
+
+def _flips(model, rollout, threshold=1e-4):
+    """The share of sampled tokens whose logp_behav differs from teacher forcing by > threshold:
+    an FP8 activation code can flip on the decode's other summation order (eager or compiled)."""
+    lp = qurl.token_logprobs(model, rollout.input_ids, rollout.attention_mask,
+                             rollout.response_mask)
+    far = ((lp - rollout.logp_behav).abs() > threshold) & rollout.response_mask.bool()
+    return float(far.sum() / rollout.response_mask.sum())
 
 
 def test_compiled_decode_equals_the_eager_one(tiny, problems, compiled_fp8):
     """Greedy tokens equal the eager sampler's; at T = 1 the sampled tokens' logp_behav equal
-    teacher-forced log-probs as closely as the eager sampler's do (1e-5); no warning."""
+    teacher-forced log-probs as closely as the eager sampler's do: 1e-5 for the fp32 actor, and
+    for FP8 the rare flip of an activation code no more often than in the eager decode."""
     model, sampler = compiled_fp8
     tok, prompts = tiny[1], _mixed_prompts(tiny[1], problems, 16)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
-        compiled = qurl.compiled_sample(sampler, tok, prompts, 2, 32, 0.0)
-        eager = qurl.sample(sampler, tok, prompts, 2, 32, 0.0)
-        ro = qurl.compiled_sample(sampler, tok, prompts, 4, 32, 1.0, torch.Generator().manual_seed(0))
-    assert compiled.texts == eager.texts and (compiled.response_mask.sum(1) > 1).all()
-    for a, b in ((compiled, eager),):
-        width_a, width_b = a.prompt_len, b.prompt_len
-        R = int(b.response_mask.sum(1).max())
-        assert torch.equal(a.input_ids[:, width_a:width_a + R] * a.response_mask[:, :R].long(),
-                           b.input_ids[:, width_b:width_b + R] * b.response_mask[:, :R].long())
-    lp = qurl.token_logprobs(sampler, ro.input_ids, ro.attention_mask, ro.response_mask)
-    assert ((lp - ro.logp_behav) * ro.response_mask).abs().max() < 1e-5
-    assert ro.response_mask.sum() > 500 and not ro.truncated.all()
+        warnings.simplefilter("error", UserWarning)  # every precision compiles
+        for decoder in (sampler, model):
+            compiled = qurl.compiled_sample(decoder, tok, prompts, 2, 32, 0.0)
+            eager = qurl.sample(decoder, tok, prompts, 2, 32, 0.0)
+            assert compiled.texts == eager.texts and (compiled.response_mask.sum(1) > 1).all()
+        gens = [torch.Generator().manual_seed(0) for _ in range(2)]
+        ro = qurl.compiled_sample(model, tok, prompts, 4, 32, 1.0, gens[0])
+        lp = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask)
+        assert ((lp - ro.logp_behav) * ro.response_mask).abs().max() < 1e-5
+        assert ro.response_mask.sum() > 500 and not ro.truncated.all()
+        compiled = qurl.compiled_sample(sampler, tok, prompts * 4, 4, 32, 1.0, gens[0])
+        eager = qurl.sample(sampler, tok, prompts * 4, 4, 32, 1.0, gens[1])
+    assert _flips(sampler, compiled) <= 2 * _flips(sampler, eager) + 0.002
 
 
 def test_compiled_decode_never_recompiles_and_reads_fresh_weights(tiny, problems, compiled_fp8):
@@ -1920,13 +1891,8 @@ def test_compiled_decode_never_recompiles_and_reads_fresh_weights(tiny, problems
             batch = [qurl.format_prompt(p["question"], tok) for p in problems[8 * step + 8:][:8]]
             ro = qurl.compiled_sample(sampler, tok, batch, 2, 24, 1.0,
                                       torch.Generator().manual_seed(step))
-            fresh = qurl.make_sampler(model, "fp8", torch.float32)  # built from the new weights
-            diff = {}
-            for name, reference in (("fresh", fresh), ("stale", stale)):
-                lp = qurl.token_logprobs(reference, ro.input_ids, ro.attention_mask, ro.response_mask)
-                diff[name] = float(qurl.masked_mean((lp - ro.logp_behav).abs(), ro.response_mask))
-            # (an activation code can flip on the decode's other summation order: not 0 exactly)
-            assert diff["fresh"] < 1e-4 and diff["stale"] > 100 * diff["fresh"], diff
+            fresh = qurl.make_sampler(model, "fp8", torch.float32)  # from the new weights
+            assert _flips(fresh, ro) < 0.02 and _flips(stale, ro) > 0.5
     finally:
         torch._dynamo.config.error_on_recompile = False
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

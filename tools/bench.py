@@ -13,6 +13,7 @@ On a CPU, run with MALLOC_MMAP_THRESHOLD_=131072 so that freed memory leaves the
 import argparse
 import json
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -85,7 +86,7 @@ def bench_rollout(args: Args, opts) -> list[dict]:
     ignored: every row samples --max-new-tokens tokens, as random weights would stop at random."""
     device, dtype = resolve_device_dtype(args.dtype)
     model, tok = _bench_model(args, opts, device)
-    problems, rows = load_problems(args.test_data, "test", args.fields), []
+    problems, rows = load_problems(args.test_data, "test"), []
     for fmt in opts.precisions.split(","):
         sampler = make_sampler(model, fmt, dtype)
         sync_s, _ = _timed(lambda: qurl.sync_weights(sampler, model), device, opts.runs)
@@ -129,7 +130,7 @@ def bench_profile(args: Args, opts) -> list[dict]:
     kernels; it says where a quantized step's time goes."""
     device, dtype = resolve_device_dtype(args.dtype)
     model, tok = _bench_model(args, opts, device)
-    problems, rows = load_problems(args.test_data, "test", args.fields), []
+    problems, rows = load_problems(args.test_data, "test"), []
     batch = int(opts.bench_batch.split(",")[0])
     prompts = [format_prompt(problems[i % len(problems)]["question"], tok) for i in range(batch)]
     for fmt in opts.precisions.split(","):
@@ -158,6 +159,65 @@ def bench_profile(args: Args, opts) -> list[dict]:
     return rows
 
 
+def bench_kernels(args: Args, opts) -> list[dict]:
+    """Kernels launched per decode token by each sampler precision, counted on the CPU with the CUDA
+    branches forced (FP8 through torch._scaled_mm): eager, the aten ops `sample` dispatches for one more
+    token (views, which launch nothing, aside); compiled, the kernel calls in inductor's code for a step
+    (the decoder layer's times the layers, and the pick's) plus the step's few eager ops."""
+    from torch._inductor.utils import run_and_get_code
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            returns = func._schema.returns  # a view returns an alias it does not write: no kernel
+            view = bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+            self.n += not view and func.__name__.split(".")[0] not in ("empty", "empty_strided", "_local_scalar_dense")
+            return func(*args, **(kwargs or {}))
+
+    device, dtype = resolve_device_dtype(args.dtype)
+    model, tok = _bench_model(args, opts, device)
+    problems, rows = load_problems(args.test_data, "test"), []
+    prompts = [format_prompt(problems[i]["question"], tok) for i in range(int(opts.bench_batch.split(",")[0]))]
+    for fmt in opts.precisions.split(","):
+        sampler = make_sampler(model, fmt, dtype)
+        for module in sampler.modules():
+            if isinstance(module, qurl.QuantLinear) and module.fmt == "fp8":
+                module.kernel, module.weight_deq = "scaled_mm", None
+        half = fmt in ("bf16", "fp16")
+        counts = []
+        with autocast(device, torch.float32 if half else dtype), torch.no_grad():
+            for n in (2, 3):
+                with Count() as count:
+                    sample(sampler, tok, prompts, 1, n, 1.0, torch.Generator().manual_seed(0))
+                counts.append(count.n)
+            torch._dynamo.reset()
+            _, codes = run_and_get_code(lambda: qurl.compiled_sample(sampler, tok, prompts, 1, 4, 1.0,
+                                                                     torch.Generator().manual_seed(0)))
+            decoder = next(iter(qurl.DECODERS[sampler].values()))
+            body = sampler.model
+            with Count() as outside:  # step()'s eager ops around the compiled layer and pick
+                x = body.embed_tokens(decoder.token[:, None])
+                body.rotary_emb(x, decoder.position[:, None])
+                keys = torch.arange(decoder.valid.shape[1])
+                (decoder.valid & (keys <= decoder.column))[:, None, None, :]
+                sampler.lm_head(body.norm(x))[:, -1]
+                decoder.noise.exponential_()
+        calls = [len(re.findall(r"^\s+(?:cpp_fused_\w+|triton_\w+|extern_kernels\.\w+|aten\.[\w.]+|"
+                                r"torch\.ops\.[\w.]+)\(", code[code.find("def call("):], re.M)) for code in codes]
+        layer_calls, pick_calls = calls[0], sum(calls[1:])  # compiled in this order: layer, then pick
+        row = {"model": opts.model_config or Path(args.model).name, "quant": fmt,
+               "eager_kernels_per_token": counts[1] - counts[0],
+               "compiled_kernels_per_token": layer_calls * len(body.layers) + pick_calls + outside.n,
+               "compiled_layer_kernels": layer_calls, "compiled_pick_kernels": pick_calls,
+               "compiled_eager_ops": outside.n}
+        rows.append(_report(row, device, opts.out))
+    return rows
+
+
 def bench_train(args: Args, opts) -> dict:
     """Whole RL steps at the real sizes: a warm-up (it allocates AdamW's state), a rollout alone, then BENCH_RUNS
     steps of train_step with --prompts-per-step x --group-size rows of --max-new-tokens tokens (EOS ignored: random
@@ -170,7 +230,7 @@ def bench_train(args: Args, opts) -> dict:
     prepare_actor(model.train(), args.grad_checkpointing)
     rl = Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-7), make_sampler(model, args.quant, dtype),
                  tok, torch.Generator(device=device).manual_seed(args.seed), dtype)
-    problems = load_problems(args.test_data, "test", args.fields)[:args.prompts_per_step]
+    problems = load_problems(args.test_data, "test")[:args.prompts_per_step]
     prompts = [format_prompt(p["question"], tok) for p in problems]
     coin = random.Random(args.seed)
     times, tok_s = [], []
@@ -218,7 +278,7 @@ def _memory(device, reset: bool = False) -> float:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="tools/bench.py", description=__doc__.split("\n")[0], allow_abbrev=False)
-    parser.add_argument("mode", choices=["rollout", "train", "profile"])
+    parser.add_argument("mode", choices=["rollout", "train", "profile", "kernels"])
     parser.add_argument("--model-config", choices=list(MODEL_CONFIGS), help="a published shape, random weights")
     parser.add_argument("--bench-batch", default="128", help="rows per rollout batch, comma separated")
     parser.add_argument("--out", help="also append each row as a JSON line to this file")
@@ -230,7 +290,8 @@ def main(argv=None) -> None:
     if not all(b.strip().isdigit() and int(b) > 0 for b in opts.bench_batch.split(",")):
         parser.error(f"--bench-batch must be positive integers separated by commas, got '{opts.bench_batch}'")
     try:
-        {"train": bench_train, "rollout": bench_rollout, "profile": bench_profile}[opts.mode](parse_args(rest), opts)
+        modes = {"train": bench_train, "rollout": bench_rollout, "profile": bench_profile, "kernels": bench_kernels}
+        modes[opts.mode](parse_args(rest), opts)
     except QurlError as e:
         sys.exit(f"bench: error: {e}")
 

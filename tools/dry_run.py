@@ -16,30 +16,39 @@ import qurl  # noqa: E402
 
 
 def estimate_memory(model, rows: int, prompt_len: int, new_tokens: int, micro_batch: int, grad_ckpt: bool,
-                    quant: str, dtype: torch.dtype, device_type: str = "cuda") -> dict:
+                    quant: str, dtype: torch.dtype, device_type: str = "cuda", compiled: bool = False) -> dict:
     """Estimated peak GiB of a training step's update and of its rollout from the model's shapes (meta-device will
     do). Held: fp32 masters and AdamW's moments (12 B per parameter) and the sampler. The update adds fp32
     gradients, autocast's bf16 weight copies, what one micro-batch keeps for backward (per token and layer 36h + 8i
     bytes in bf16, 44h + 16i in fp32: Qwen2's saved tensors, counted) and 16 B per response logit. The rollout adds
-    the KV cache (in the compute dtype) and one decode step's logits."""
+    the KV cache in the dtypes the sampler keeps it (under autocast transformers keeps K, rotated by fp32 cos/sin,
+    in fp32 and V in the compute dtype; --compile keeps both in the compute dtype; a bf16/fp16 copy in its own) and
+    one decode step's logits."""
     c = model.config
     h, n_layers, inter, vocab = c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size
     kv_dim = c.num_key_value_heads * (getattr(c, "head_dim", None) or h // c.num_attention_heads)
     n_par = sum(param.numel() for param in model.parameters())
     n_lin = sum(mod.weight.numel() for _, mod in qurl.decoder_linears(model))
     bf16, b = dtype == torch.bfloat16, 2 if dtype == torch.bfloat16 else 4
+    head = vocab * h  # lm_head: the quantized sampler holds it in the compute dtype, beside a tied embedding
     if quant == "none":
-        sampler = 0  # the actor itself
+        sampler, kv_bytes = 0, 4 + b  # the actor itself
+    elif quant in ("bf16", "fp16"):
+        sampler, kv_bytes = 2 * n_par, 4
     else:  # quantized decoder linears, an fp32 copy of the rest (the CPU also keeps dequantized fp32 weights)
         per_weight = 0.5 + 4 / qurl.NF4_BLOCK if quant == "nf4" else 1
         sampler = 4 * (n_par - n_lin) + n_lin * per_weight + 4 * n_lin * (device_type == "cpu" and quant != "int8")
+        sampler += b * head - 4 * head * (not getattr(c, "tie_word_embeddings", False))
+        kv_bytes = 4 + b
+    if compiled and quant not in ("bf16", "fp16"):
+        kv_bytes = 2 * b
     held = 12 * n_par + sampler
     mb, T = min(micro_batch, rows), prompt_len + new_tokens
     per_layer = 36 * h + 8 * inter if bf16 else 44 * h + 16 * inter
     acts = mb * T * (8 * h + (n_layers * 4 * h + per_layer if grad_ckpt else n_layers * per_layer))
     logits = 16 * mb * (new_tokens + 1) * vocab
     train = held + 4 * n_par + 2 * (n_lin + vocab * h) * bf16 + acts + logits
-    rollout = held + rows * T * n_layers * 2 * kv_dim * b + rows * vocab * (b + 8)
+    rollout = held + rows * T * n_layers * kv_dim * kv_bytes + rows * vocab * (b + 8)
     return {k: v / 2**30 for k, v in dict(train=train, rollout=rollout, held=held, activations=acts,
                                           logits=logits, sampler=sampler).items()}
 
@@ -61,14 +70,14 @@ def main(argv=None) -> None:
     try:
         device, dtype = qurl.resolve_device_dtype(args.dtype)
         model, tokenizer = meta_model(args.model)
-        train_set = qurl.load_problems(args.train_data, "train", args.fields)
-        test_set = qurl.load_problems(args.test_data, "test", args.fields)
+        train_set = qurl.load_problems(args.train_data, "train")
+        test_set = qurl.load_problems(args.test_data, "test")
     except qurl.QurlError as e:
         sys.exit(f"qurl: error: {e}")
     prompt_len = qurl.check_prompt_lengths(model, tokenizer, train_set, args.max_new_tokens)
     rows = args.prompts_per_step * args.group_size
     est = estimate_memory(model, rows, prompt_len, args.max_new_tokens, args.micro_batch, args.grad_checkpointing,
-                          args.quant, dtype, device.type)
+                          args.quant, dtype, device.type, args.compile)
     print(json.dumps(dataclasses.asdict(args), indent=1))
     print(f"model {args.model}: {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
           f"parameters; sampler ({args.quant}) {est['sampler']:.3g} GiB")
