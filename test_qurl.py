@@ -1568,11 +1568,13 @@ def test_memory_estimate_terms_against_the_objects_they_count(tiny, problems, dr
                    for c in (False, True))
     kv = 64 * 52 * model.config.num_hidden_layers * 64  # rows x tokens x layers x K/V width
     assert (eager["rollout"] - fast["rollout"]) * 2**30 == pytest.approx(kv * 2)  # 6 B vs 4 B
-    a, b = (estimate(model, 64, 20, 32, 16, ck, "fp8", torch.bfloat16, "cuda") for ck in (False, True))
+    a, b = (estimate(model, 64, 20, 32, 16, checkpointing, "fp8", torch.bfloat16, "cuda")
+            for checkpointing in (False, True))
     assert b["activations"] < a["activations"]
     logits = 16 * 16 * 33 * model.config.vocab_size / 2**30  # 16 B each
     assert a["logits"] == b["logits"] == pytest.approx(logits)
-    c = estimate(model, 64, 20, 32, 32, False, "fp8", torch.bfloat16, "cuda")  # twice the micro-batch
+    # twice the micro-batch
+    c = estimate(model, 64, 20, 32, 32, False, "fp8", torch.bfloat16, "cuda")
     assert c["activations"] == pytest.approx(2 * a["activations"]) and c["rollout"] == a["rollout"]
 
 

@@ -1,15 +1,21 @@
-"""Benchmarks of qurl.py: developer tools, not the method (they run its functions at given sizes and time them).
+"""Benchmarks of qurl.py: developer tools, not the method (they run its functions and time them).
 
-    python tools/bench.py rollout [--model-config SHAPE] [--bench-batch 64,256] [--out rows.jsonl] [qurl flags]
-        tokens/s of every rollout precision (the actor as in training: built from fp32 masters, run under
-        autocast), as a ratio to the unquantized actor, and of transformers' model.generate on the same rows
-    python tools/bench.py train [--model-config SHAPE] [--out rows.jsonl] [qurl flags: --quant, --prompts-per-step,
+    python tools/bench.py rollout [--model-config SHAPE] [--bench-batch 64,256] [qurl flags]
+        tokens/s of every sampler precision (built as in training: from fp32 masters, run under
+        autocast), eager and with --compile, and of transformers' model.generate on the same rows
+    python tools/bench.py train [--model-config SHAPE] [qurl flags: --quant, --prompts-per-step,
         --group-size, --max-new-tokens, --micro-batch, --grad-checkpointing, --dtype]
-        seconds and peak memory of whole RL steps, beside qurl's `estimate_memory`
+        seconds and peak memory of whole RL steps, beside tools/dry_run.py's `estimate_memory`
+    python tools/bench.py profile --model-config SHAPE   (CUDA)
+        milliseconds per kernel of one compiled decode step
+    python tools/bench.py kernels --model-config SHAPE
+        kernels per decode token, eager and compiled
 
---model-config builds a published architecture with random weights (no download); the other flags are qurl.py's.
-On a CPU, run with MALLOC_MMAP_THRESHOLD_=131072 so that freed memory leaves the resident set that is measured.
+--model-config builds a published architecture with random weights (no download); --out FILE appends
+each row as a JSON line; the other flags are qurl.py's. On a CPU, run `train` with
+MALLOC_MMAP_THRESHOLD_=131072 so that freed memory leaves the resident set that is measured.
 """
+
 import argparse
 import json
 import random
@@ -23,12 +29,29 @@ import torch  # noqa: E402
 
 import qurl  # noqa: E402
 from dry_run import estimate_memory  # noqa: E402
-from qurl import (HERE, Args, Learner, QurlError, autocast, check_prompt_lengths, format_prompt,  # noqa: E402
-                  load_model, load_problems, make_sampler, notice, parse_args, prepare_actor, resolve_device_dtype,
-                  sample, train_step)
+from qurl import (
+    HERE,
+    Args,
+    Learner,
+    QurlError,
+    autocast,
+    check_prompt_lengths,
+    format_prompt,  # noqa: E402
+    load_model,
+    load_problems,
+    make_sampler,
+    notice,
+    parse_args,
+    prepare_actor,
+    resolve_device_dtype,
+    sample,
+    train_step,
+)
 
-# Published architectures (config.json of each hub model), built with random weights for throughput runs:
-# model_type, hidden, layers, heads, kv heads, intermediate, vocab, tied embeddings (+ head_dim where it differs).
+# Published architectures (config.json of each hub model), built with random weights for throughput
+# runs:
+# model_type, hidden, layers, heads, kv heads, intermediate, vocab, tied embeddings (+ head_dim
+# where it differs).
 MODEL_CONFIGS = {
     "qwen2.5-0.5b": ("qwen2", 896, 24, 14, 2, 4864, 151936, True),
     "qwen2.5-1.5b": ("qwen2", 1536, 28, 12, 2, 8960, 151936, True),
@@ -39,17 +62,30 @@ MODEL_CONFIGS = {
 
 
 def _bench_model(args: Args, opts, device):
-    """fp32 masters of --model, or of a published architecture with random weights (and the tiny tokenizer)."""
+    """fp32 masters of --model, or of a published architecture with random weights (and the tiny
+    tokenizer)."""
     if not opts.model_config:
         return load_model(args.model, device, torch.float32)
     from transformers import AutoConfig, AutoModelForCausalLM
+
     kind, h, n_layers, heads, kv, inter, vocab, tied, *head_dim = MODEL_CONFIGS[opts.model_config]
-    cfg = AutoConfig.for_model(kind, hidden_size=h, num_hidden_layers=n_layers, num_attention_heads=heads,
-                               num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab,
-                               tie_word_embeddings=tied, max_position_embeddings=32768, rope_theta=1e6,
-                               **({"head_dim": head_dim[0]} if head_dim else {}))
+    cfg = AutoConfig.for_model(
+        kind,
+        hidden_size=h,
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        **({"head_dim": head_dim[0]} if head_dim else {}),
+    )
     torch.manual_seed(0)
-    with torch.device(device):  # initialized where it runs: a 7B model's random init on a CPU takes minutes
+    with torch.device(
+        device
+    ):  # initialized where it runs: a 7B model's random init on a CPU takes minutes
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     return model, load_model(str(HERE / "data/tiny-qwen"))[1]
 
@@ -68,9 +104,18 @@ def _timed(fn, device, runs=3) -> tuple[float, object]:
 
 def _report(row: dict, device, out: str | None = None) -> dict:
     """Name the device, print the row as key=value pairs, append it as a JSON line to `out`."""
-    row = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}",
-           **row}
-    print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    row = {
+        "device": (
+            torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else f"cpu x{torch.get_num_threads()}"
+        ),
+        **row,
+    }
+    print(
+        " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+        flush=True,
+    )
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         with open(out, "a") as f:
@@ -79,11 +124,12 @@ def _report(row: dict, device, out: str | None = None) -> dict:
 
 
 def bench_rollout(args: Args, opts) -> list[dict]:
-    """Rollout tokens/s of each sampler precision in --precisions, as in training (built from fp32 masters, run
-    under autocast, or a half copy without), for each --bench-batch: eager (`sample`) and, with --compile,
-    compiled (`compiled_sample`; its first call, compilation and graph capture included, is compile_s); the
-    seconds of a weight sync (sync_s); and transformers' model.generate on the bf16 copy, the same rows. EOS
-    ignored: every row samples --max-new-tokens tokens, as random weights would stop at random."""
+    """Rollout tokens/s of each sampler precision in --precisions, as in training (built from
+    fp32 masters, run under autocast, or a half copy without), for each --bench-batch: eager
+    (`sample`) and, with --compile, compiled (`compiled_sample`; its first call, compilation and
+    graph capture included, is compile_s); the seconds of a weight sync (sync_s); and
+    transformers' model.generate on the bf16 copy, the same rows. EOS ignored: every row samples
+    --max-new-tokens tokens, as random weights would stop at random."""
     device, dtype = resolve_device_dtype(args.dtype)
     model, tok = _bench_model(args, opts, device)
     problems, rows = load_problems(args.test_data, "test"), []
@@ -92,29 +138,53 @@ def bench_rollout(args: Args, opts) -> list[dict]:
         sync_s, _ = _timed(lambda: qurl.sync_weights(sampler, model), device, opts.runs)
         half = fmt in ("bf16", "fp16")
         for batch in (int(b) for b in opts.bench_batch.split(",")):
-            prompts = [format_prompt(problems[i % len(problems)]["question"], tok) for i in range(batch)]
+            prompts = [
+                format_prompt(problems[i % len(problems)]["question"], tok) for i in range(batch)
+            ]
             gen, n = torch.Generator(device=device).manual_seed(args.seed), args.max_new_tokens
-            row = {"model": opts.model_config or Path(args.model).name, "quant": fmt, "dtype": str(dtype)[6:],
-                   "batch": batch, "len": n, "sync_s": sync_s}
+            row = {
+                "model": opts.model_config or Path(args.model).name,
+                "quant": fmt,
+                "dtype": str(dtype)[6:],
+                "batch": batch,
+                "len": n,
+                "sync_s": sync_s,
+            }
             _memory(device, reset=True)
             with autocast(device, torch.float32 if half else dtype):
                 if not opts.no_eager:
-                    t, _ = _timed(lambda: sample(sampler, tok, prompts, 1, n, generator=gen), device, opts.runs)
+                    t, _ = _timed(
+                        lambda: sample(sampler, tok, prompts, 1, n, generator=gen),
+                        device,
+                        opts.runs,
+                    )
                     row["tok_s"] = batch * n / t
                 if args.compile:
                     start = time.perf_counter()
                     qurl.compiled_sample(sampler, tok, prompts, 1, n, generator=gen)
                     _sync(device)
                     row["compile_s"] = time.perf_counter() - start
-                    t, _ = _timed(lambda: qurl.compiled_sample(sampler, tok, prompts, 1, n, generator=gen), device,
-                                  opts.runs)
+                    t, _ = _timed(
+                        lambda: qurl.compiled_sample(sampler, tok, prompts, 1, n, generator=gen),
+                        device,
+                        opts.runs,
+                    )
                     row["compiled_tok_s"] = batch * n / t
                     row["compiled"] = None not in qurl.DECODERS.get(sampler, {None: None}).values()
                 if fmt == "bf16" and not opts.no_eager:  # transformers' own loop on the same rows
                     enc = tok(prompts, return_tensors="pt", padding=True).to(device)
-                    t, _ = _timed(lambda: sampler.generate(**enc, do_sample=True, top_k=0, max_new_tokens=n,
-                                                           min_new_tokens=n, pad_token_id=tok.pad_token_id),
-                                  device, opts.runs)
+                    t, _ = _timed(
+                        lambda: sampler.generate(
+                            **enc,
+                            do_sample=True,
+                            top_k=0,
+                            max_new_tokens=n,
+                            min_new_tokens=n,
+                            pad_token_id=tok.pad_token_id,
+                        ),
+                        device,
+                        opts.runs,
+                    )
                     row["generate_tok_s"] = batch * n / t
             row["peak_gib"] = _memory(device) / 2**30
             rows.append(_report(row, device, opts.out))
@@ -125,9 +195,9 @@ def bench_rollout(args: Args, opts) -> list[dict]:
 
 
 def bench_profile(args: Args, opts) -> list[dict]:
-    """GPU time of one compiled decode step (without its graph replay, so each kernel is seen) per sampler
-    precision, from torch.profiler: milliseconds in GEMMs, in attention and in everything else, and the top
-    kernels; it says where a quantized step's time goes."""
+    """GPU time of one compiled decode step (without its graph replay, so each kernel is seen)
+    per sampler precision, from torch.profiler: milliseconds in GEMMs, in attention and in
+    everything else, and the top kernels; it says where a quantized step's time goes."""
     device, dtype = resolve_device_dtype(args.dtype)
     model, tok = _bench_model(args, opts, device)
     problems, rows = load_problems(args.test_data, "test"), []
@@ -138,21 +208,47 @@ def bench_profile(args: Args, opts) -> list[dict]:
         with autocast(device, torch.float32 if fmt in ("bf16", "fp16") else dtype), torch.no_grad():
             qurl.compiled_sample(sampler, tok, prompts, 1, args.max_new_tokens)
             decoder = next(iter(qurl.DECODERS[sampler].values()))
-            decoder.column.fill_(decoder.width - 1)  # back to the first token: room for the steps below
+            decoder.column.fill_(
+                decoder.width - 1
+            )  # back to the first token: room for the steps below
             decoder.step()
             _sync(device)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(opts.runs):
                     decoder.step()
                 _sync(device)
-        kernels = sorted(((getattr(e, "device_time_total", 0) / opts.runs / 1e3, e.key)
-                          for e in prof.key_averages()), reverse=True)
-        kind = lambda name: ("gemm" if any(w in name.lower() for w in ("gemm", "cutlass", "matmul", "sm90_xmma"))  # noqa: E731
-                             else "attention" if any(w in name.lower() for w in ("attention", "fmha", "flash"))
-                             else "other")
-        row = {"model": opts.model_config or Path(args.model).name, "quant": fmt, "batch": batch,
-               **{f"{k}_ms": sum(ms for ms, name in kernels if kind(name) == k) for k in ("gemm", "attention", "other")},
-               "top": [(name[:60], round(ms, 3)) for ms, name in kernels[:8]]}
+        kernels = sorted(
+            (
+                (getattr(e, "device_time_total", 0) / opts.runs / 1e3, e.key)
+                for e in prof.key_averages()
+            ),
+            reverse=True,
+        )
+
+        def kind(
+            name: str,
+        ) -> str:  # cuBLASLt's Hopper GEMMs are "nvjet_*"; triton kernels are fused glue
+            name = name.lower()
+            if not name.startswith("triton") and any(
+                w in name for w in ("nvjet", "gemm", "cutlass", "xmma")
+            ):
+                return "gemm"
+            return (
+                "attention"
+                if any(w in name for w in ("attention", "fmha", "flash", "sdpa"))
+                else "other"
+            )
+
+        row = {
+            "model": opts.model_config or Path(args.model).name,
+            "quant": fmt,
+            "batch": batch,
+            **{
+                f"{k}_ms": sum(ms for ms, name in kernels if kind(name) == k)
+                for k in ("gemm", "attention", "other")
+            },
+            "top": [(name[:60], round(ms, 3)) for ms, name in kernels[:8]],
+        }
         rows.append(_report(row, device, opts.out))
         del sampler, decoder
         torch.cuda.empty_cache()
@@ -160,10 +256,11 @@ def bench_profile(args: Args, opts) -> list[dict]:
 
 
 def bench_kernels(args: Args, opts) -> list[dict]:
-    """Kernels launched per decode token by each sampler precision, counted on the CPU with the CUDA
-    branches forced (FP8 through torch._scaled_mm): eager, the aten ops `sample` dispatches for one more
-    token (views, which launch nothing, aside); compiled, the kernel calls in inductor's code for a step
-    (the decoder layer's times the layers, and the pick's) plus the step's few eager ops."""
+    """Kernels launched per decode token by each sampler precision, counted on the CPU with the
+    CUDA branches forced (FP8 through torch._scaled_mm): eager, the aten ops `sample` dispatches
+    for one more token (views, which launch nothing, aside); compiled, the kernel calls in
+    inductor's code for a step (the decoder layer's times the layers, and the pick's) plus the
+    step's few eager ops."""
     from torch._inductor.utils import run_and_get_code
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -174,14 +271,25 @@ def bench_kernels(args: Args, opts) -> list[dict]:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             returns = func._schema.returns  # a view returns an alias it does not write: no kernel
-            view = bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
-            self.n += not view and func.__name__.split(".")[0] not in ("empty", "empty_strided", "_local_scalar_dense")
+            view = (
+                bool(returns)
+                and returns[0].alias_info is not None
+                and not returns[0].alias_info.is_write
+            )
+            self.n += not view and func.__name__.split(".")[0] not in (
+                "empty",
+                "empty_strided",
+                "_local_scalar_dense",
+            )
             return func(*args, **(kwargs or {}))
 
     device, dtype = resolve_device_dtype(args.dtype)
     model, tok = _bench_model(args, opts, device)
     problems, rows = load_problems(args.test_data, "test"), []
-    prompts = [format_prompt(problems[i]["question"], tok) for i in range(int(opts.bench_batch.split(",")[0]))]
+    prompts = [
+        format_prompt(problems[i]["question"], tok)
+        for i in range(int(opts.bench_batch.split(",")[0]))
+    ]
     for fmt in opts.precisions.split(","):
         sampler = make_sampler(model, fmt, dtype)
         for module in sampler.modules():
@@ -195,8 +303,11 @@ def bench_kernels(args: Args, opts) -> list[dict]:
                     sample(sampler, tok, prompts, 1, n, 1.0, torch.Generator().manual_seed(0))
                 counts.append(count.n)
             torch._dynamo.reset()
-            _, codes = run_and_get_code(lambda: qurl.compiled_sample(sampler, tok, prompts, 1, 4, 1.0,
-                                                                     torch.Generator().manual_seed(0)))
+            _, codes = run_and_get_code(
+                lambda: qurl.compiled_sample(
+                    sampler, tok, prompts, 1, 4, 1.0, torch.Generator().manual_seed(0)
+                )
+            )
             decoder = next(iter(qurl.DECODERS[sampler].values()))
             body = sampler.model
             with Count() as outside:  # step()'s eager ops around the compiled layer and pick
@@ -206,31 +317,53 @@ def bench_kernels(args: Args, opts) -> list[dict]:
                 (decoder.valid & (keys <= decoder.column))[:, None, None, :]
                 sampler.lm_head(body.norm(x))[:, -1]
                 decoder.noise.exponential_()
-        calls = [len(re.findall(r"^\s+(?:cpp_fused_\w+|triton_\w+|extern_kernels\.\w+|aten\.[\w.]+|"
-                                r"torch\.ops\.[\w.]+)\(", code[code.find("def call("):], re.M)) for code in codes]
-        layer_calls, pick_calls = calls[0], sum(calls[1:])  # compiled in this order: layer, then pick
-        row = {"model": opts.model_config or Path(args.model).name, "quant": fmt,
-               "eager_kernels_per_token": counts[1] - counts[0],
-               "compiled_kernels_per_token": layer_calls * len(body.layers) + pick_calls + outside.n,
-               "compiled_layer_kernels": layer_calls, "compiled_pick_kernels": pick_calls,
-               "compiled_eager_ops": outside.n}
+        calls = [
+            len(
+                re.findall(
+                    r"^\s+(?:cpp_fused_\w+|triton_\w+|extern_kernels\.\w+|aten\.[\w.]+|"
+                    r"torch\.ops\.[\w.]+)\(",
+                    code[code.find("def call(") :],
+                    re.M,
+                )
+            )
+            for code in codes
+        ]
+        layer_calls, pick_calls = calls[0], sum(
+            calls[1:]
+        )  # compiled in this order: layer, then pick
+        row = {
+            "model": opts.model_config or Path(args.model).name,
+            "quant": fmt,
+            "eager_kernels_per_token": counts[1] - counts[0],
+            "compiled_kernels_per_token": layer_calls * len(body.layers) + pick_calls + outside.n,
+            "compiled_layer_kernels": layer_calls,
+            "compiled_pick_kernels": pick_calls,
+            "compiled_eager_ops": outside.n,
+        }
         rows.append(_report(row, device, opts.out))
     return rows
 
 
 def bench_train(args: Args, opts) -> dict:
-    """Whole RL steps at the real sizes: a warm-up (it allocates AdamW's state), a rollout alone, then BENCH_RUNS
-    steps of train_step with --prompts-per-step x --group-size rows of --max-new-tokens tokens (EOS ignored: random
-    weights stop at random) and random 0/1 rewards. Reports the median seconds per step, rollout tokens/s, and the
-    peak memory of the rollout and of a whole step beside `estimate_memory`'s (CPU: resident memory above what the
-    process held before the model)."""
+    """Whole RL steps at the real sizes: a warm-up (it allocates AdamW's state), a rollout alone,
+    then BENCH_RUNS steps of train_step with --prompts-per-step x --group-size rows of
+    --max-new-tokens tokens (EOS ignored: random weights stop at random) and random 0/1 rewards.
+    Reports the median seconds per step, rollout tokens/s, and the peak memory of the rollout and
+    of a whole step beside `estimate_memory`'s (CPU: resident memory above what the process held
+    before the model)."""
     device, dtype = resolve_device_dtype(args.dtype)
     base = _memory(device, reset=True)
     model, tok = _bench_model(args, opts, device)
     prepare_actor(model.train(), args.grad_checkpointing)
-    rl = Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-7), make_sampler(model, args.quant, dtype),
-                 tok, torch.Generator(device=device).manual_seed(args.seed), dtype)
-    problems = load_problems(args.test_data, "test")[:args.prompts_per_step]
+    rl = Learner(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-7),
+        make_sampler(model, args.quant, dtype),
+        tok,
+        torch.Generator(device=device).manual_seed(args.seed),
+        dtype,
+    )
+    problems = load_problems(args.test_data, "test")[: args.prompts_per_step]
     prompts = [format_prompt(p["question"], tok) for p in problems]
     coin = random.Random(args.seed)
     times, tok_s = [], []
@@ -238,23 +371,56 @@ def bench_train(args: Args, opts) -> dict:
         if step == 1:
             _memory(device, reset=True)
             with autocast(device, dtype):
-                sample(rl.sampler, tok, prompts, args.group_size, args.max_new_tokens, generator=rl.generator)
+                sample(
+                    rl.sampler,
+                    tok,
+                    prompts,
+                    args.group_size,
+                    args.max_new_tokens,
+                    generator=rl.generator,
+                )
             roll_peak = _memory(device) - base
             _memory(device, reset=True)
-        qurl.reward = lambda text, gold: float(coin.random() < 0.5)  # random weights: random rewards
+        qurl.reward = lambda text, gold: float(
+            coin.random() < 0.5
+        )  # random weights: random rewards
         m = train_step(rl, args, problems, step)
-        times, tok_s = times + [m["perf/step_s"]] * (step > 0), tok_s + [m["perf/rollout_tok_s"]] * (step > 0)
+        times, tok_s = times + [m["perf/step_s"]] * (step > 0), tok_s + [
+            m["perf/rollout_tok_s"]
+        ] * (step > 0)
     step_peak = _memory(device) - base
     P = check_prompt_lengths(model, tok, problems, args.max_new_tokens)
-    est = estimate_memory(model, len(prompts) * args.group_size, P, args.max_new_tokens, args.micro_batch,
-                          args.grad_checkpointing, args.quant, dtype, device.type)
-    return _report({"model": opts.model_config or Path(args.model).name, "quant": args.quant, "dtype": str(dtype)[6:],
-                    "rows": len(prompts) * args.group_size, "prompt_len": P, "new_tokens": args.max_new_tokens,
-                    "micro_batch": args.micro_batch, "grad_ckpt": args.grad_checkpointing,
-                    "step_s": sorted(times)[len(times) // 2], "tok_s": sorted(tok_s)[len(tok_s) // 2],
-                    "rollout_peak_gib": roll_peak / 2**30, "rollout_est_gib": est["rollout"],
-                    "step_peak_gib": step_peak / 2**30, "step_est_gib": max(est["train"], est["rollout"])},
-                   device, opts.out)
+    est = estimate_memory(
+        model,
+        len(prompts) * args.group_size,
+        P,
+        args.max_new_tokens,
+        args.micro_batch,
+        args.grad_checkpointing,
+        args.quant,
+        dtype,
+        device.type,
+    )
+    return _report(
+        {
+            "model": opts.model_config or Path(args.model).name,
+            "quant": args.quant,
+            "dtype": str(dtype)[6:],
+            "rows": len(prompts) * args.group_size,
+            "prompt_len": P,
+            "new_tokens": args.max_new_tokens,
+            "micro_batch": args.micro_batch,
+            "grad_ckpt": args.grad_checkpointing,
+            "step_s": sorted(times)[len(times) // 2],
+            "tok_s": sorted(tok_s)[len(tok_s) // 2],
+            "rollout_peak_gib": roll_peak / 2**30,
+            "rollout_est_gib": est["rollout"],
+            "step_peak_gib": step_peak / 2**30,
+            "step_est_gib": max(est["train"], est["rollout"]),
+        },
+        device,
+        opts.out,
+    )
 
 
 def _sync(device) -> None:
@@ -263,34 +429,57 @@ def _sync(device) -> None:
 
 
 def _memory(device, reset: bool = False) -> float:
-    """Peak bytes since the last reset (CUDA: allocated tensors; CPU: resident memory, Linux); reset=True starts a
-    new window and returns the bytes held now."""
+    """Peak bytes since the last reset (CUDA: allocated tensors; CPU: resident memory, Linux);
+    reset=True starts a new window and returns the bytes held now."""
     _sync(device)
     if device.type == "cuda":
         if reset:
             torch.cuda.reset_peak_memory_stats()
         return float(torch.cuda.memory_allocated() if reset else torch.cuda.max_memory_allocated())
     if reset:
-        Path("/proc/self/clear_refs").write_text("5")  # resets the resident-memory high-water mark (VmHWM)
-    status = dict(l.split(":", 1) for l in Path("/proc/self/status").read_text().splitlines() if ":" in l)
+        Path("/proc/self/clear_refs").write_text(
+            "5"
+        )  # resets the resident-memory high-water mark (VmHWM)
+    status = dict(
+        l.split(":", 1) for l in Path("/proc/self/status").read_text().splitlines() if ":" in l
+    )
     return float(status["VmRSS" if reset else "VmHWM"].split()[0]) * 1024
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="tools/bench.py", description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="tools/bench.py", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     parser.add_argument("mode", choices=["rollout", "train", "profile", "kernels"])
-    parser.add_argument("--model-config", choices=list(MODEL_CONFIGS), help="a published shape, random weights")
-    parser.add_argument("--bench-batch", default="128", help="rows per rollout batch, comma separated")
+    parser.add_argument(
+        "--model-config", choices=list(MODEL_CONFIGS), help="a published shape, random weights"
+    )
+    parser.add_argument(
+        "--bench-batch", default="128", help="rows per rollout batch, comma separated"
+    )
     parser.add_argument("--out", help="also append each row as a JSON line to this file")
-    parser.add_argument("--precisions", default="none,fp16,bf16,int8,fp8,nf4", help="rollout: the samplers")
-    parser.add_argument("--runs", type=int, default=3, help="timed repetitions after one warm-up (the median)")
+    parser.add_argument(
+        "--precisions", default="none,fp16,bf16,int8,fp8,nf4", help="rollout: the samplers"
+    )
+    parser.add_argument(
+        "--runs", type=int, default=3, help="timed repetitions after one warm-up (the median)"
+    )
     parser.add_argument("--no-eager", action="store_true", help="rollout: only the compiled decode")
     opts, rest = parser.parse_known_args(argv)
-    qurl.stop_token_ids = lambda model, tokenizer: []  # EOS ignored: every row samples --max-new-tokens tokens
+    qurl.stop_token_ids = (
+        lambda model, tokenizer: []
+    )  # EOS ignored: every row samples --max-new-tokens tokens
     if not all(b.strip().isdigit() and int(b) > 0 for b in opts.bench_batch.split(",")):
-        parser.error(f"--bench-batch must be positive integers separated by commas, got '{opts.bench_batch}'")
+        parser.error(
+            f"--bench-batch must be positive integers separated by commas, got '{opts.bench_batch}'"
+        )
     try:
-        modes = {"train": bench_train, "rollout": bench_rollout, "profile": bench_profile, "kernels": bench_kernels}
+        modes = {
+            "train": bench_train,
+            "rollout": bench_rollout,
+            "profile": bench_profile,
+            "kernels": bench_kernels,
+        }
         modes[opts.mode](parse_args(rest), opts)
     except QurlError as e:
         sys.exit(f"bench: error: {e}")

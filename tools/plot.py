@@ -1,22 +1,30 @@
 """Plots of qurl runs: `python tools/plot.py RUN [RUN ...] [--out fig.png]`.
 
-Reward, held-out accuracy, mismatch KL, sampled entropy, clip fraction and flip rate per step of each run folder's
-metrics.jsonl (per-step series smoothed), one line per run.
+Reward, held-out accuracy, mismatch KL, sampled entropy, clip fraction and flip rate per step of
+each run folder's metrics.jsonl (per-step series smoothed), one line per run.
 """
+
 import argparse
 import json
 import sys
 from pathlib import Path
 
-PANELS = {"reward/mean": "reward (train)", "eval/acc": "held-out accuracy (greedy)",
-          "mismatch/kl": "mismatch KL(pi_behav||pi_prox)", "rollout/entropy": "entropy (sampled tokens)",
-          "clip/low": "clip/low (gradient zeroed)", "quant/flip_rate": "quant flip rate"}
+PANELS = {
+    "reward/mean": "reward (train)",
+    "eval/acc": "held-out accuracy (greedy)",
+    "mismatch/kl": "mismatch KL(pi_behav||pi_prox)",
+    "rollout/entropy": "entropy (sampled tokens)",
+    "clip/low": "clip/low (gradient zeroed)",
+    "quant/flip_rate": "quant flip rate",
+}
 
 
 def plot_runs(run_dirs: list[str], out: str = "runs.png") -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(2, 3, figsize=(16, 7.2))
     for run in run_dirs:
         metrics, summary = Path(run) / "metrics.jsonl", Path(run) / "summary.json"
@@ -26,13 +34,25 @@ def plot_runs(run_dirs: list[str], out: str = "runs.png") -> None:
         start = json.loads(summary.read_text()).get("start_eval_acc") if summary.is_file() else None
         for ax, (key, title) in zip(axes.flat, PANELS.items()):
             points = [(0, start)] if key == "eval/acc" and start is not None else []
-            points += [(row["step"], max(row[key], 1e-12)) for row in rows if row.get(key) is not None]
+            points += [
+                (row["step"], max(row[key], 1e-12)) for row in rows if row.get(key) is not None
+            ]
             window = max(1, len(points) // 25) if key != "eval/acc" and len(points) > 20 else 0
-            points = [(x, sum(v for _, v in points[max(0, i - window):i + 1]) / len(points[max(0, i - window):i + 1]))
-                      for i, (x, _) in enumerate(points)]
+            points = [
+                (
+                    x,
+                    sum(v for _, v in points[max(0, i - window) : i + 1])
+                    / len(points[max(0, i - window) : i + 1]),
+                )
+                for i, (x, _) in enumerate(points)
+            ]
             if points:
-                ax.plot(*zip(*points), label=Path(run).name, marker="o" if key == "eval/acc" else None,
-                        markersize=3)
+                ax.plot(
+                    *zip(*points),
+                    label=Path(run).name,
+                    marker="o" if key == "eval/acc" else None,
+                    markersize=3,
+                )
             ax.set(title=title, xlabel="step", yscale="log" if key == "mismatch/kl" else "linear")
     axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
