@@ -169,8 +169,7 @@ def quantize_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """LLM.int8 vector-wise INT8 (bitsandbytes, threshold 0): x ~= x8 * absmax[:, None] / 127;
-    int8_mm_dequant multiplies by absmax_x absmax_w / 127^2."""
+    """LLM.int8 vector-wise INT8 (bitsandbytes, threshold 0): x ~= x8 * absmax[:, None] / 127."""
     import bitsandbytes.functional as bnbF
     x8, absmax, _ = bnbF.int8_vectorwise_quant(x.detach().to(torch.float16).contiguous(), 0.0)
     return x8, absmax
@@ -209,8 +208,8 @@ def dequantize(codes: Tensor, scale: Tensor, state, fmt: str) -> Tensor:
 def w8a8_matmul(x2: Tensor, weight_q: Tensor, weight_scale: Tensor, fmt: str, kernel: str,
                 weight_deq: Tensor | None = None) -> Tensor:
     """y = Q(x2) @ Q(W)^T, the sampler's kernel: (M, K) activations quantized per token here, (N, K)
-    weight codes with per-row scales; fp32 out (CUDA's _scaled_mm: bf16). FP8: torch._scaled_mm, or
-    the same math by dequantize-and-matmul (kernel "emulate", on `weight_deq` when given)."""
+    weight codes with per-row scales. FP8: torch._scaled_mm, or the same math by
+    dequantize-and-matmul (kernel "emulate", on `weight_deq` when given)."""
     with torch.autocast(x2.device.type, enabled=False):  # the kernel fixes its own numerics
         if fmt == "int8":
             import bitsandbytes.functional as bnbF
@@ -854,9 +853,8 @@ def flag_notices(args: Args, typed: set[str]) -> list[str]:
     """A line for each typed flag that does nothing with the chosen loss."""
     unused = {"naive": {"tbpo_band", "is_cap"}, "tis": {"tbpo_band"}, "acr": {"tbpo_band"},
               "tbpo": {"eps_low", "eps_high"}}[args.loss]
-    lines = [f"--{name.replace('_', '-')} does nothing with --loss {args.loss}"
-             for name in sorted(unused & typed)]
-    return lines
+    return [f"--{name.replace('_', '-')} does nothing with --loss {args.loss}"
+            for name in sorted(unused & typed)]
 
 
 def lr_at(step: int, steps: int, lr: float, schedule: str) -> float:
@@ -987,7 +985,7 @@ def resolve_device_dtype(dtype: str = "auto") -> tuple[torch.device, torch.dtype
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dtype == "auto":
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-        dtype = "bfloat16" if bf16 else "float32"  # (a GPU without bf16 arithmetic: fp32)
+        dtype = "bfloat16" if bf16 else "float32"
     return device, getattr(torch, dtype)
 
 
@@ -1010,7 +1008,7 @@ def load_model(name: str = "data/tiny-qwen", device="cpu", dtype=torch.float32):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    except OSError as e:  # (offline, a hub name fails: data/tiny-qwen is local)
+    except OSError as e:
         raise QurlError(f"cannot load model '{path}' (offline? try data/tiny-qwen): "
                         f"{str(e).splitlines()[0]:.200}")
     tokenizer.padding_side = "left"
@@ -1065,14 +1063,14 @@ class RunState:
     dir: Path
     train_set: list[dict]
     test_set: list[dict]
-    order: list[int]  # the data order: a permutation of train_set's indices
-    scale: float  # invariant scaling's s (folded back in final/)
+    order: list[int]  # a permutation of train_set's indices
+    scale: float  # invariant scaling's s
     step: int = 0  # the last step finished
     data_pos: int = 0  # problems consumed so far
     first_eval: float | None = None  # the starting accuracy, and the latest
     last_eval: float | None = None
     skipped: int = 0  # updates skipped for a non-finite loss or gradient
-    t_start: float = 0.0  # when this process started
+    t_start: float = 0.0
 
 
 def start_run(args: Args) -> tuple[Learner, RunState]:
@@ -1117,7 +1115,6 @@ def start_run(args: Args) -> tuple[Learner, RunState]:
 
 
 def run_eval(learner: Learner, args: Args, problems: list[dict]) -> float:
-    """Greedy held-out accuracy of the actor."""
     learner.actor.eval()
     with autocast(learner.generator.device, learner.dtype):
         accuracy = evaluate(learner.actor, learner.tokenizer, problems, args.max_new_tokens)
@@ -1147,11 +1144,10 @@ def open_log(run: RunState, args: Args):
             file.write(json.dumps(row) + "\n")
             file.flush()
             if run.step % LOG_EVERY == 0 or run.step == args.steps:
-                elapsed = time.time() - run.t_start
                 print(f"step {run.step:4d}/{args.steps} reward {row['reward/mean']:.3f} eval "
                       f"{run.last_eval or 0:.3f} kl {row['mismatch/kl']:.1e} flip "
                       f"{row['quant/flip_rate']:.2%} tok/s {row['perf/rollout_tok_s']:.0f} "
-                      f"[{elapsed:.0f}s]", flush=True)
+                      f"[{time.time() - run.t_start:.0f}s]", flush=True)
         yield log
 
 
@@ -1205,9 +1201,9 @@ DECODERS = weakref.WeakKeyDictionary()  # sampler -> {shape: StaticDecoder, or N
 @torch.no_grad()
 def compiled_sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64,
                     temperature: float = 1.0, generator: torch.Generator | None = None) -> Rollout:
-    """`sample` with a static KV cache and a compiled step, a CUDA graph on a GPU: a few launches a
-    token, not ~1,000. The same tokens and log-probs up to float sums; what does not compile is
-    decoded by `sample`, said once."""
+    """`sample` with a static KV cache and a compiled step (a CUDA graph on a GPU): the same tokens
+    and log-probs up to float sums at a few launches a token, not ~1,000. What does not compile
+    is decoded by `sample`, said once."""
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
                         padding_side="left", pad_to_multiple_of=64).to(model.device)  # few shapes
     input_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]
@@ -1217,7 +1213,7 @@ def compiled_sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_to
         if None not in decoders.values():
             decoders[shape] = decoders.get(shape) or StaticDecoder(model, *shape)
             return decoders[shape].run(tokenizer, input_ids, prompt_mask, n, generator)
-    except Exception as e:  # noqa: BLE001 (whatever does not compile is decoded eagerly)
+    except Exception as e:  # noqa: BLE001
         decoders[shape] = None
         fmt = next((m.fmt for m in model.modules() if isinstance(m, QuantLinear)), model.dtype)
         warnings.warn(f"--compile: the {fmt} sampler does not compile here ({type(e).__name__}: "
@@ -1235,14 +1231,18 @@ class StaticDecoder:
         device, long = next(model.parameters()).device, torch.long
         self.model, self.width, self.temperature, self.cache, self.graph = (
             model, width, temperature, None, None)
-        self.valid = torch.ones(rows, width + max_new_tokens, dtype=torch.bool, device=device)
+        self.keys = torch.arange(width + max_new_tokens, device=device)
+        self.valid = torch.ones(rows, len(self.keys), dtype=torch.bool, device=device)
         self.token, self.position, self.end = torch.zeros(3, rows, dtype=long, device=device)
         self.column = torch.zeros(1, dtype=long, device=device)  # the last token's column
         self.done = torch.zeros(rows, dtype=torch.bool, device=device)
         self.tokens = torch.zeros(rows, max_new_tokens, dtype=long, device=device)
         self.logp = torch.zeros(rows, max_new_tokens, device=device)
         self.noise = torch.ones(rows, model.config.vocab_size, device=device)
-        self.layer, self.pick = torch.compile(_layer, dynamic=False), torch.compile(self.next)
+        angles = model.model.rotary_emb(model.model.embed_tokens.weight, self.keys[None])
+        self.cos, self.sin = (t[0] for t in angles)  # eager, once: compiled cos/sin round apart
+        self.inputs, self.layer, self.head = (
+            torch.compile(f, dynamic=False) for f in (self.embed, _layer, self.unembed))
 
     def run(self, tokenizer, input_ids, prompt_mask, n, generator) -> Rollout:
         """`_prefill` into the static cache, then the steps (a host sync every 16)."""
@@ -1291,15 +1291,19 @@ class StaticDecoder:
                        self.logp[:, :steps].clone(), self.end.clone())
 
     def step(self):
-        """The last tokens through every layer, then the next ones."""
-        body = self.model.model
-        x = body.embed_tokens(self.token[:, None])
-        cos, sin = body.rotary_emb(x, self.position[:, None])
-        keys = torch.arange(self.valid.shape[1], device=x.device)
-        mask = (self.valid & (keys <= self.column))[:, None, None, :]
-        for i, layer in enumerate(body.layers):
+        """The last tokens through every layer, then the next ones: three compiled functions."""
+        x, cos, sin, mask = self.inputs()
+        for i, layer in enumerate(self.model.model.layers):
             x = self.layer(layer, x, cos, sin, *(c[i] for c in self.cache), self.column, mask)
-        self.pick(self.model.lm_head(body.norm(x))[:, -1])
+        self.head(x)
+
+    def embed(self):
+        mask = (self.valid & (self.keys <= self.column))[:, None, None, :]
+        cos, sin = self.cos[self.position, None], self.sin[self.position, None]
+        return self.model.model.embed_tokens(self.token[:, None]), cos, sin, mask
+
+    def unembed(self, x):
+        self.next(self.model.lm_head(self.model.model.norm(x))[:, -1])
 
     def next(self, logits):
         """Each row's next token and log-prob, into the outputs."""

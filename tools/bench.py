@@ -259,8 +259,8 @@ def bench_kernels(args: Args, opts) -> list[dict]:
     """Kernels launched per decode token by each sampler precision, counted on the CPU with the
     CUDA branches forced (FP8 through torch._scaled_mm): eager, the aten ops `sample` dispatches
     for one more token (views, which launch nothing, aside); compiled, the kernel calls in
-    inductor's code for a step (the decoder layer's times the layers, and the pick's) plus the
-    step's few eager ops."""
+    inductor's code for a step: the decoder layer's graph times the layers, the other graphs once
+    (a step runs nothing eagerly but the loop over layers)."""
     from torch._inductor.utils import run_and_get_code
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -303,42 +303,29 @@ def bench_kernels(args: Args, opts) -> list[dict]:
                     sample(sampler, tok, prompts, 1, n, 1.0, torch.Generator().manual_seed(0))
                 counts.append(count.n)
             torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
             _, codes = run_and_get_code(
                 lambda: qurl.compiled_sample(
                     sampler, tok, prompts, 1, 4, 1.0, torch.Generator().manual_seed(0)
                 )
             )
-            decoder = next(iter(qurl.DECODERS[sampler].values()))
-            body = sampler.model
-            with Count() as outside:  # step()'s eager ops around the compiled layer and pick
-                x = body.embed_tokens(decoder.token[:, None])
-                body.rotary_emb(x, decoder.position[:, None])
-                keys = torch.arange(decoder.valid.shape[1])
-                (decoder.valid & (keys <= decoder.column))[:, None, None, :]
-                sampler.lm_head(body.norm(x))[:, -1]
-                decoder.noise.exponential_()
-        calls = [
-            len(
-                re.findall(
-                    r"^\s+(?:cpp_fused_\w+|triton_\w+|extern_kernels\.\w+|aten\.[\w.]+|"
-                    r"torch\.ops\.[\w.]+)\(",
-                    code[code.find("def call(") :],
-                    re.M,
-                )
-            )
-            for code in codes
-        ]
-        layer_calls, pick_calls = calls[0], sum(
-            calls[1:]
-        )  # compiled in this order: layer, then pick
+        layers = len(sampler.model.layers)
+        call = re.compile(
+            r"^\s+(?:\w+ = )?(?:cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+|aten\.[\w.]+|"
+            r"torch\.ops\.[\w.]+)\(",
+            re.M,
+        )
+        calls = [len(call.findall(code[code.find("def call(") :])) for code in codes]
+        # the decoder layer's graph (the one with attention) runs once per layer
+        per_layer = [n for n, code in zip(calls, codes) if "scaled_dot_product" in code]
         row = {
             "model": opts.model_config or Path(args.model).name,
             "quant": fmt,
             "eager_kernels_per_token": counts[1] - counts[0],
-            "compiled_kernels_per_token": layer_calls * len(body.layers) + pick_calls + outside.n,
-            "compiled_layer_kernels": layer_calls,
-            "compiled_pick_kernels": pick_calls,
-            "compiled_eager_ops": outside.n,
+            "compiled_kernels_per_token": sum(calls) + sum(per_layer) * (layers - 1),
+            "compiled_layer_kernels": sum(per_layer),
+            "compiled_graphs": len(codes),
+            "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
         }
         rows.append(_report(row, device, opts.out))
     return rows
