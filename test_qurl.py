@@ -1604,29 +1604,10 @@ def test_bench_train_measures_peaks_beside_the_estimate(tmp_path):
     """bench.py train runs whole RL steps and reports the rollout's and the step's peak memory
     beside the estimate. A fresh process: freed memory of other tests would serve."""
     out = tmp_path / "bench.jsonl"
-    res = subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "tools" / "bench.py"),
-            "train",
-            "--quant",
-            "fp8",
-            "--model",
-            TINY,
-            "--prompts-per-step",
-            "2",
-            "--group-size",
-            "4",
-            "--max-new-tokens",
-            "8",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=HERE,
-        timeout=300,
-    )
+    command = [sys.executable, str(HERE / "tools" / "bench.py"), "train", "--quant", "fp8",
+               "--model", TINY, "--prompts-per-step", "2", "--group-size", "4",
+               "--max-new-tokens", "8", "--out", str(out)]
+    res = subprocess.run(command, capture_output=True, text=True, cwd=HERE, timeout=300)
     assert res.returncode == 0, res.stderr
     row = json.loads(out.read_text())
     assert row["device"].startswith("cpu") and row["rows"] == 8 and row["tok_s"] > 0

@@ -29,14 +29,14 @@ import torch  # noqa: E402
 
 import qurl  # noqa: E402
 from dry_run import estimate_memory  # noqa: E402
-from qurl import (
+from qurl import (  # noqa: E402
     HERE,
     Args,
     Learner,
     QurlError,
     autocast,
     check_prompt_lengths,
-    format_prompt,  # noqa: E402
+    format_prompt,
     load_model,
     load_problems,
     make_sampler,
@@ -48,10 +48,8 @@ from qurl import (
     train_step,
 )
 
-# Published architectures (config.json of each hub model), built with random weights for throughput
-# runs:
-# model_type, hidden, layers, heads, kv heads, intermediate, vocab, tied embeddings (+ head_dim
-# where it differs).
+# Published architectures (config.json of each hub model), built with random weights: model_type,
+# hidden, layers, heads, kv heads, intermediate, vocab, tied embeddings (+ head_dim if it differs)
 MODEL_CONFIGS = {
     "qwen2.5-0.5b": ("qwen2", 896, 24, 14, 2, 4864, 151936, True),
     "qwen2.5-1.5b": ("qwen2", 1536, 28, 12, 2, 8960, 151936, True),
@@ -69,23 +67,14 @@ def _bench_model(args: Args, opts, device):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kind, h, n_layers, heads, kv, inter, vocab, tied, *head_dim = MODEL_CONFIGS[opts.model_config]
-    cfg = AutoConfig.for_model(
-        kind,
-        hidden_size=h,
-        num_hidden_layers=n_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        intermediate_size=inter,
-        vocab_size=vocab,
-        tie_word_embeddings=tied,
-        max_position_embeddings=32768,
-        rope_theta=1e6,
-        **({"head_dim": head_dim[0]} if head_dim else {}),
-    )
+    shape = dict(hidden_size=h, num_hidden_layers=n_layers, num_attention_heads=heads)
+    shape |= dict(num_key_value_heads=kv, intermediate_size=inter, vocab_size=vocab)
+    shape |= {"head_dim": head_dim[0]} if head_dim else {}
+    cfg = AutoConfig.for_model(kind, **shape, tie_word_embeddings=tied,
+                               max_position_embeddings=32768, rope_theta=1e6)
     torch.manual_seed(0)
-    with torch.device(
-        device
-    ):  # initialized where it runs: a 7B model's random init on a CPU takes minutes
+    # initialized where it runs: a 7B model's random init on a CPU takes minutes
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     return model, load_model(str(HERE / "data/tiny-qwen"))[1]
 
@@ -342,52 +331,31 @@ def bench_train(args: Args, opts) -> dict:
     base = _memory(device, reset=True)
     model, tok = _bench_model(args, opts, device)
     prepare_actor(model.train(), args.grad_checkpointing)
-    rl = Learner(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=1e-7),
-        make_sampler(model, args.quant, dtype),
-        tok,
-        torch.Generator(device=device).manual_seed(args.seed),
-        dtype,
-    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    rl = Learner(model, optimizer, make_sampler(model, args.quant, dtype), tok, generator, dtype)
     problems = load_problems(args.test_data, "test")[: args.prompts_per_step]
     prompts = [format_prompt(p["question"], tok) for p in problems]
     coin = random.Random(args.seed)
+    qurl.reward = lambda text, gold: float(coin.random() < 0.5)  # random weights: random rewards
     times, tok_s = [], []
     for step in range(opts.runs + 1):
         if step == 1:
             _memory(device, reset=True)
             with autocast(device, dtype):
-                sample(
-                    rl.sampler,
-                    tok,
-                    prompts,
-                    args.group_size,
-                    args.max_new_tokens,
-                    generator=rl.generator,
-                )
+                sample(rl.sampler, tok, prompts, args.group_size, args.max_new_tokens,
+                       generator=rl.generator)
             roll_peak = _memory(device) - base
             _memory(device, reset=True)
-        qurl.reward = lambda text, gold: float(
-            coin.random() < 0.5
-        )  # random weights: random rewards
         m = train_step(rl, args, problems, step)
-        times, tok_s = times + [m["perf/step_s"]] * (step > 0), tok_s + [
-            m["perf/rollout_tok_s"]
-        ] * (step > 0)
+        if step > 0:  # step 0 warms up
+            times.append(m["perf/step_s"])
+            tok_s.append(m["perf/rollout_tok_s"])
     step_peak = _memory(device) - base
     P = check_prompt_lengths(model, tok, problems, args.max_new_tokens)
-    est = estimate_memory(
-        model,
-        len(prompts) * args.group_size,
-        P,
-        args.max_new_tokens,
-        args.micro_batch,
-        args.grad_checkpointing,
-        args.quant,
-        dtype,
-        device.type,
-    )
+    sizes = len(prompts) * args.group_size, P, args.max_new_tokens, args.micro_batch
+    est = estimate_memory(model, *sizes, args.grad_checkpointing, args.quant, dtype, device.type,
+                          args.compile)
     return _report(
         {
             "model": opts.model_config or Path(args.model).name,

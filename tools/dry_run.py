@@ -37,26 +37,19 @@ def estimate_memory(
     fp32 and V in the compute dtype; --compile keeps both in the compute dtype; a bf16/fp16 copy
     in its own) and one decode step's logits."""
     c = model.config
-    h, n_layers, inter, vocab = (
-        c.hidden_size,
-        c.num_hidden_layers,
-        c.intermediate_size,
-        c.vocab_size,
-    )
+    h, n_layers = c.hidden_size, c.num_hidden_layers
+    inter, vocab = c.intermediate_size, c.vocab_size
     kv_dim = c.num_key_value_heads * (getattr(c, "head_dim", None) or h // c.num_attention_heads)
     n_par = sum(param.numel() for param in model.parameters())
     n_lin = sum(mod.weight.numel() for _, mod in qurl.decoder_linears(model))
     bf16, b = dtype == torch.bfloat16, 2 if dtype == torch.bfloat16 else 4
-    head = (
-        vocab * h
-    )  # lm_head: the quantized sampler holds it in the compute dtype, beside a tied embedding
+    # lm_head: the quantized sampler holds it in the compute dtype, beside a tied embedding
+    head = vocab * h
     if quant == "none":
         sampler, kv_bytes = 0, 4 + b  # the actor itself
     elif quant in ("bf16", "fp16"):
         sampler, kv_bytes = 2 * n_par, 4
-    # quantized decoder linears, an fp32 copy of the rest (the CPU also keeps dequantized fp32
-    # weights)
-    else:
+    else:  # quantized decoder linears, an fp32 copy of the rest (the CPU: also dequantized fp32)
         per_weight = 0.5 + 4 / qurl.NF4_BLOCK if quant == "nf4" else 1
         sampler = (
             4 * (n_par - n_lin)
@@ -74,17 +67,8 @@ def estimate_memory(
     logits = 16 * mb * (new_tokens + 1) * vocab
     train = held + 4 * n_par + 2 * (n_lin + vocab * h) * bf16 + acts + logits
     rollout = held + rows * T * n_layers * kv_dim * kv_bytes + rows * vocab * (b + 8)
-    return {
-        k: v / 2**30
-        for k, v in dict(
-            train=train,
-            rollout=rollout,
-            held=held,
-            activations=acts,
-            logits=logits,
-            sampler=sampler,
-        ).items()
-    }
+    sizes = dict(train=train, rollout=rollout, held=held, activations=acts, logits=logits)
+    return {k: v / 2**30 for k, v in (sizes | {"sampler": sampler}).items()}
 
 
 def meta_model(name: str):
@@ -114,18 +98,9 @@ def main(argv=None) -> None:
         sys.exit(f"qurl: error: {e}")
     prompt_len = qurl.check_prompt_lengths(model, tokenizer, train_set, args.max_new_tokens)
     rows = args.prompts_per_step * args.group_size
-    est = estimate_memory(
-        model,
-        rows,
-        prompt_len,
-        args.max_new_tokens,
-        args.micro_batch,
-        args.grad_checkpointing,
-        args.quant,
-        dtype,
-        device.type,
-        args.compile,
-    )
+    sizes = rows, prompt_len, args.max_new_tokens, args.micro_batch
+    est = estimate_memory(model, *sizes, args.grad_checkpointing, args.quant, dtype, device.type,
+                          args.compile)
     print(json.dumps(dataclasses.asdict(args), indent=1))
     params = sum(p.numel() for p in model.parameters()) / 1e6
     print(
