@@ -1663,6 +1663,33 @@ def test_method_functions_need_at_most_three_other_module_names():
         assert len(used) <= 3, (name, sorted(used))
 
 
+def test_the_lesson_file_keeps_its_shape():
+    """qurl.py is read line by line: its size counted in characters without indentation, the
+    method between its banners, lines of at most 100 columns everywhere, functions of at most 60
+    lines, a docstring on every top-level function of the method."""
+    import ast
+    src = Path(qurl.__file__).read_text()
+    lines = src.splitlines()
+    chars = sum(len(line.strip()) for line in lines)
+    start = next(i for i, line in enumerate(lines) if "THE METHOD" in line)
+    end = next(i for i, line in enumerate(lines) if "APPENDIX" in line)
+    method = sum(len(line.strip()) for line in lines[start:end])
+    assert chars <= 64_000 and method <= 37_000, (chars, method)
+    for path in [Path(qurl.__file__), Path(__file__), *sorted((HERE / "tools").glob("*.py"))]:
+        wide = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if len(line) > 100]
+        assert not wide, (path.name, wide)
+    tree = ast.parse(src)
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    sizes = [(n.name, n.end_lineno - n.lineno + 1) for n in functions]
+    long = [(name, size) for name, size in sizes if size > 60]
+    assert not long, long
+    method_defs = [n for n in tree.body if isinstance(n, ast.FunctionDef)
+                   and start < n.lineno <= end]
+    assert len(method_defs) > 20
+    assert all(ast.get_docstring(n) for n in method_defs), \
+        [n.name for n in method_defs if not ast.get_docstring(n)]
+
+
 def test_metric_names_defined_once_and_in_the_glossary():
     """METRIC_KEYS is the one list (rows hold exactly these: see test_end_to_end); the README's
     glossary names each."""
