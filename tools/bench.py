@@ -79,6 +79,11 @@ def _bench_model(args: Args, opts, device):
     return model, load_model(str(HERE / "data/tiny-qwen"))[1]
 
 
+def _rollout_autocast(fmt: str, device, dtype):
+    """The rollout's autocast, as in train_step: a half copy computes in its own dtype."""
+    return autocast(device, torch.float32 if fmt in ("bf16", "fp16") else dtype)
+
+
 def _timed(fn, device, runs=3) -> tuple[float, object]:
     """Median seconds of `runs` calls of fn (after one warm-up call), and the last result."""
     times, out = [], None
@@ -125,7 +130,6 @@ def bench_rollout(args: Args, opts) -> list[dict]:
     for fmt in opts.precisions.split(","):
         sampler = make_sampler(model, fmt, dtype)
         sync_s, _ = _timed(lambda: qurl.sync_weights(sampler, model), device, opts.runs)
-        half = fmt in ("bf16", "fp16")
         for batch in (int(b) for b in opts.bench_batch.split(",")):
             prompts = [
                 format_prompt(problems[i % len(problems)]["question"], tok) for i in range(batch)
@@ -140,7 +144,7 @@ def bench_rollout(args: Args, opts) -> list[dict]:
                 "sync_s": sync_s,
             }
             _memory(device, reset=True)
-            with autocast(device, torch.float32 if half else dtype):
+            with _rollout_autocast(fmt, device, dtype):
                 if not opts.no_eager:
                     t, _ = _timed(
                         lambda: sample(sampler, tok, prompts, 1, n, generator=gen),
@@ -194,12 +198,11 @@ def bench_profile(args: Args, opts) -> list[dict]:
     prompts = [format_prompt(problems[i % len(problems)]["question"], tok) for i in range(batch)]
     for fmt in opts.precisions.split(","):
         sampler = make_sampler(model, fmt, dtype)
-        with autocast(device, torch.float32 if fmt in ("bf16", "fp16") else dtype), torch.no_grad():
+        with _rollout_autocast(fmt, device, dtype), torch.no_grad():
             qurl.compiled_sample(sampler, tok, prompts, 1, args.max_new_tokens)
             decoder = next(iter(qurl.DECODERS[sampler].values()))
-            decoder.column.fill_(
-                decoder.width - 1
-            )  # back to the first token: room for the steps below
+            # back to the first token: room for the steps below
+            decoder.column.fill_(decoder.width - 1)
             decoder.step()
             _sync(device)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -214,19 +217,14 @@ def bench_profile(args: Args, opts) -> list[dict]:
             reverse=True,
         )
 
-        def kind(
-            name: str,
-        ) -> str:  # cuBLASLt's Hopper GEMMs are "nvjet_*"; triton kernels are fused glue
+        def kind(name: str) -> str:
+            """cuBLASLt's Hopper GEMMs are "nvjet_*"; triton kernels are fused glue."""
             name = name.lower()
-            if not name.startswith("triton") and any(
-                w in name for w in ("nvjet", "gemm", "cutlass", "xmma")
-            ):
+            gemm = any(w in name for w in ("nvjet", "gemm", "cutlass", "xmma"))
+            if gemm and not name.startswith("triton"):
                 return "gemm"
-            return (
-                "attention"
-                if any(w in name for w in ("attention", "fmha", "flash", "sdpa"))
-                else "other"
-            )
+            attention = any(w in name for w in ("attention", "fmha", "flash", "sdpa"))
+            return "attention" if attention else "other"
 
         row = {
             "model": opts.model_config or Path(args.model).name,
@@ -284,9 +282,8 @@ def bench_kernels(args: Args, opts) -> list[dict]:
         for module in sampler.modules():
             if isinstance(module, qurl.QuantLinear) and module.fmt == "fp8":
                 module.kernel, module.weight_deq = "scaled_mm", None
-        half = fmt in ("bf16", "fp16")
         counts = []
-        with autocast(device, torch.float32 if half else dtype), torch.no_grad():
+        with _rollout_autocast(fmt, device, dtype), torch.no_grad():
             for n in (2, 3):
                 with Count() as count:
                     sample(sampler, tok, prompts, 1, n, 1.0, torch.Generator().manual_seed(0))
@@ -342,8 +339,9 @@ def bench_train(args: Args, opts) -> dict:
     for step in range(opts.runs + 1):
         if step == 1:
             _memory(device, reset=True)
-            with autocast(device, dtype):
-                sample(rl.sampler, tok, prompts, args.group_size, args.max_new_tokens,
+            decode = qurl.compiled_sample if args.compile else sample
+            with _rollout_autocast(args.quant, device, dtype):
+                decode(rl.sampler, tok, prompts, args.group_size, args.max_new_tokens,
                        generator=rl.generator)
             roll_peak = _memory(device) - base
             _memory(device, reset=True)
@@ -392,9 +390,8 @@ def _memory(device, reset: bool = False) -> float:
             torch.cuda.reset_peak_memory_stats()
         return float(torch.cuda.memory_allocated() if reset else torch.cuda.max_memory_allocated())
     if reset:
-        Path("/proc/self/clear_refs").write_text(
-            "5"
-        )  # resets the resident-memory high-water mark (VmHWM)
+        # resets the resident-memory high-water mark (VmHWM)
+        Path("/proc/self/clear_refs").write_text("5")
     status = dict(
         l.split(":", 1) for l in Path("/proc/self/status").read_text().splitlines() if ":" in l
     )
@@ -421,9 +418,8 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--no-eager", action="store_true", help="rollout: only the compiled decode")
     opts, rest = parser.parse_known_args(argv)
-    qurl.stop_token_ids = (
-        lambda model, tokenizer: []
-    )  # EOS ignored: every row samples --max-new-tokens tokens
+    # EOS ignored: every row samples --max-new-tokens tokens
+    qurl.stop_token_ids = lambda model, tokenizer: []
     if not all(b.strip().isdigit() and int(b) > 0 for b in opts.bench_batch.split(",")):
         parser.error(
             f"--bench-batch must be positive integers separated by commas, got '{opts.bench_batch}'"
