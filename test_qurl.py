@@ -1809,8 +1809,9 @@ def test_precision_ladder_mismatch_and_flips(tiny, problems):
         kl[quant] = float(qurl.masked_mean(qurl.k3(lp.detach() - ro.logp_behav), ro.response_mask))
     assert kl["none"] < 1e-8 < kl["fp16"] < kl["bf16"] / 4 < 1e-3, kl
     sampler = qurl.make_sampler(model, "bf16", torch.float32)
-    head = dict(sampler.named_parameters())["model.layers.0.mlp.up_proj.weight"]
-    assert head.dtype == torch.bfloat16 and sampler.model.rotary_emb.inv_freq.dtype == torch.float32
+    up_half = dict(sampler.named_parameters())["model.layers.0.mlp.up_proj.weight"]
+    assert up_half.dtype == torch.bfloat16
+    assert sampler.model.rotary_emb.inv_freq.dtype == torch.float32
     assert qurl.sync_weights(sampler, model) == 0.0
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight.mul_(1.01)  # 1 % moves most bf16 values
@@ -1818,7 +1819,7 @@ def test_precision_ladder_mismatch_and_flips(tiny, problems):
     n_lin = sum(m.weight.numel() for _, m in qurl.decoder_linears(model))
     up = model.model.layers[0].mlp.up_proj.weight
     assert 0.5 * up.numel() / n_lin < flip <= up.numel() / n_lin
-    assert torch.equal(head, up.to(torch.bfloat16))  # refreshed in place
+    assert torch.equal(up_half, up.to(torch.bfloat16))  # refreshed in place
 
 
 def test_quantized_sampler_lm_head_in_the_compute_dtype_is_exact(tiny, problems):
