@@ -1341,7 +1341,7 @@ def _layer(layer, x, cos, sin, k_cache, v_cache, columns, mask):
     groups = q.shape[1] // k_cache.shape[1]  # (B, H, T, D) -> (B, H_kv, groups T, D)
     q = _rope(q, cos, sin).reshape(B, k_cache.shape[1], groups * T, D)
     out = F.scaled_dot_product_attention(q, k_cache, v_cache, mask.repeat(1, 1, groups, 1),
-                                         scale=D**-0.5)
+                                         scale=attention.scaling)
     x = x + attention.o_proj(out.view(B, -1, T, D).transpose(1, 2).reshape(B, T, -1))
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
