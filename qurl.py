@@ -10,12 +10,12 @@ QaRL (arXiv 2604.07853) does. The tokens are then off-policy, so the loss knows 
 
 Where each equation lives:
     group_advantages     GRPO: A_i = (R_i - mean R) / (std R + 1e-6) within a group
-    token_loss("naive")  PPO on pi_theta / pi_behav, the sampler taken for the old policy
+    token_loss("naive")  PPO on pi_theta / pi_behav, the sampler as the old policy (QuRL Eq. 3)
     token_loss("tis")    R = pi_theta / pi_prox, w = min(pi_prox / pi_behav, C) (QuRL Eq. 5)
     token_loss("acr")    upper bound (1 + eps_high) / min(1, C pi_behav / pi_prox) (QuRL Eq. 9)
     tbpo_loss            TBPO's sequence ratio, capped weight and trust band (QaRL)
     k3                   k3 KL(pi_behav || pi_prox): the mismatch metric
-    QuantLinear          the sampler's FP8 / INT8 / NF4 linear
+    QuantLinear          the sampler's FP8 / INT8 / NF4 linear (fp8_matmul: its FP8 kernel)
     sync_weights         the weight sync; its flip rate (QuRL's weight-update problem)
     invariant_rescale    W x = (W / s)(s x) (QuRL Eq. 11-12)
     aligned_linear       QaRL's rollout-aligned forward
@@ -128,16 +128,17 @@ def format_prompt(question: str, tokenizer) -> str:
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer: '#### 42', else '\\boxed{42}', else 'the answer is 42', else the last
-    number."""
+    """The final answer: '#### 42' (what the prompt asks for; GSM8K's golds), else '\\boxed{42}'
+    (Qwen's instruct models box math answers whatever they are told), else the last number."""
     if "####" in text:
         tail = text.rsplit("####", 1)[1].strip().split("\n")[0]
         return _normalize(tail) if tail else None
+
     boxed = re.findall(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}", text)  # one level of nested braces
     if boxed and boxed[-1].strip():
         return _normalize(boxed[-1])
-    said = re.search(r"answer is[:\s]*\$?\s*(-?[\d,]*\.?\d+(?:\s*/\s*\d+)?)", text, re.IGNORECASE)
-    last = said.group(1) if said else _last_number(text)
+
+    last = _last_number(text)
     return _normalize(last) if last is not None else None
 
 
@@ -147,13 +148,33 @@ def reward(completion: str, gold: str) -> float:
     if predicted is None:
         return 0.0
     gold = _normalize(gold)
-    predicted_value, gold_value = _as_number(predicted), _as_number(gold)
-    if predicted_value is None or gold_value is None:
+    try:
+        return float(Fraction(predicted) == Fraction(gold))  # exact values
+    except (ValueError, ZeroDivisionError):  # a word answer
         return float(predicted == gold)
-    return float(predicted_value == gold_value)
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
+
+
+def _last_number(text: str) -> str | None:
+    """The last number in text ('1,234', '-0.5', '3/4'), or None."""
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def _normalize(answer: str) -> str:
+    """'$1,234.50' -> '1234.50', '\\frac{3}{4}' -> '3/4', '12 eggs' -> '12'; words lowercased."""
+    text = re.sub(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"\1/\2", answer).replace("−", "-")
+    text = re.sub(r"\\text\{([^{}]*)\}|[$%,]|\\!?", r"\1", text)  # \text{x} -> x; $ % , \ out
+    number = _last_number(text)
+    if number is None:  # no digit: a word answer
+        return " ".join(text.split()).strip(".").lower()
+    return number.replace(" ", "")
 
 
 # ==================== THE METHOD, 2: quantization, sync, scaling
+# `fmt`: a quantizer's format (fp8, int8, nf4); --quant also takes none, bf16, fp16 (no codes)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 INT8_X_MAX = 2.0**14  # bitsandbytes takes fp16 activations (max 65504): larger rows scale down
 NF4_BLOCK = 64  # weights per absmax block (QLoRA's NF4, QaRL's W4A16)
@@ -175,76 +196,86 @@ def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     return x8, absmax
 
 
-def int8_shift(x2: Tensor) -> Tensor:
-    """(M, 1) powers of 2 that bring each row's absmax under INT8_X_MAX (real checkpoints carry
-    activations of 1e4-1e5); dividing by them and multiplying back is exact."""
-    amax = x2.detach().float().abs().amax(dim=-1, keepdim=True)
-    return torch.exp2(torch.ceil(torch.log2((amax / INT8_X_MAX).clamp(min=1.0))))
-
-
 def quantize(weight: Tensor, fmt: str) -> tuple[Tensor, Tensor, object]:
     """Weights in the sampler's format: (codes, fp32 scales per row or NF4 block, NF4's state).
-    NF4 (QLoRA's 4-bit NormalFloat) scales blocks of 64 weights by their absmax and takes the
-    nearest of 16 normal quantiles."""
-    if fmt == "nf4":
-        import bitsandbytes.functional as bnbF
-        weight = weight.detach().float().contiguous()
-        codes, state = bnbF.quantize_4bit(weight, blocksize=NF4_BLOCK, quant_type="nf4")
-        return codes, state.absmax.float(), state
-    codes, scale = quantize_fp8(weight) if fmt == "fp8" else quantize_int8(weight)
-    return codes, scale.float(), None
+    NF4 (QLoRA's) scales blocks of 64 weights by their absmax to the nearest of 16 normal
+    quantiles."""
+    if fmt == "fp8":
+        codes, scale = quantize_fp8(weight)
+        return codes, scale, None
+    if fmt == "int8":
+        codes, absmax = quantize_int8(weight)
+        return codes, absmax.float(), None
+
+    import bitsandbytes.functional as bnbF
+    weight = weight.detach().float().contiguous()
+    codes, state = bnbF.quantize_4bit(weight, blocksize=NF4_BLOCK, quant_type="nf4")
+    return codes, state.absmax.float(), state
 
 
 def dequantize(codes: Tensor, scale: Tensor, state, fmt: str) -> Tensor:
     """fp32 values of `quantize`'s codes: code * scale (INT8: absmax / 127)."""
-    if fmt == "nf4":
-        import bitsandbytes.functional as bnbF
-        return bnbF.dequantize_4bit(codes, state)
     if fmt == "fp8":
         return codes.float() * scale[:, None]
-    return codes.float() * (scale[:, None] / 127.0)
+    if fmt == "int8":
+        return codes.float() * (scale[:, None] / 127.0)
+    import bitsandbytes.functional as bnbF
+    return bnbF.dequantize_4bit(codes, state)
 
 
-def w8a8_matmul(x2: Tensor, weight_q: Tensor, weight_scale: Tensor, fmt: str, kernel: str,
-                weight_deq: Tensor | None = None) -> Tensor:
-    """y = Q(x2) @ Q(W)^T, the sampler's kernel: (M, K) activations quantized per token here, (N, K)
-    weight codes with per-row scales. FP8: torch._scaled_mm, or the same math by
-    dequantize-and-matmul (kernel "emulate", on `weight_deq` when given)."""
+def fp8_matmul(x2: Tensor, weight_q: Tensor, weight_scale: Tensor, kernel: str = "emulate",
+               weight_deq: Tensor | None = None) -> Tensor:
+    """y = Q(x2) Q(W)^T in FP8, (M, K) activations quantized per token here, (N, K) weight codes:
+    torch._scaled_mm, or the same math by dequantize-and-matmul (on `weight_deq` if given)."""
     with torch.autocast(x2.device.type, enabled=False):  # the kernel fixes its own numerics
-        if fmt == "int8":
-            import bitsandbytes.functional as bnbF
-            shift = int8_shift(x2)
-            x8, x_absmax = quantize_int8(x2 / shift)
-            acc = bnbF.int8_linear_matmul(x8, weight_q)  # int32 = x8 @ w8^T
-            y = bnbF.int8_mm_dequant(acc, x_absmax, weight_scale)  # * absmax_x absmax_w / 127^2
-            return y.float() * shift
-        x8, x_scale = quantize_fp8(x2)
+        x8, x_scale = quantize_fp8(x2)  # (M, K) codes, (M,) scales
         x_scale = x_scale[:, None]
         if kernel == "scaled_mm":  # bf16 out on CUDA (the kernel's own rounding), fp32 on CPU
             out_dtype = torch.bfloat16 if x2.is_cuda else torch.float32
             scale_b = weight_scale[None, :]
             return torch._scaled_mm(x8, weight_q.t(), x_scale, scale_b, out_dtype=out_dtype)
+
         if weight_deq is not None:  # the scales applied before the sum
             return F.linear(x8.float() * x_scale, weight_deq)
         dtype = torch.bfloat16 if x2.is_cuda else torch.float32  # bf16 holds every e4m3 code
         return (x8.to(dtype) @ weight_q.to(dtype).t()).float() * x_scale * weight_scale
 
 
+def int8_matmul(x2: Tensor, weight_q: Tensor, weight_absmax: Tensor) -> Tensor:
+    """y = Q(x2) Q(W)^T by bitsandbytes' LLM.int8 kernels (threshold 0: pure W8A8): (M, K)
+    activations, (N, K) int8 weight codes with (N,) absmax."""
+    import bitsandbytes.functional as bnbF
+    with torch.autocast(x2.device.type, enabled=False):
+        shift = int8_shift(x2)  # (M, 1)
+        x8, x_absmax = quantize_int8(x2 / shift)
+        acc = bnbF.int8_linear_matmul(x8, weight_q)  # int32 = x8 @ w8^T
+        y = bnbF.int8_mm_dequant(acc, x_absmax, weight_absmax)  # * absmax_x absmax_w / 127^2
+        return y.float() * shift
+
+
+def int8_shift(x2: Tensor) -> Tensor:
+    """(M, 1) powers of 2 that bring each row's absmax under INT8_X_MAX (real checkpoints carry
+    activations of 1e4-1e5): dividing and multiplying back is exact."""
+    amax = x2.detach().float().abs().amax(dim=-1, keepdim=True)
+    return torch.exp2(torch.ceil(torch.log2((amax / INT8_X_MAX).clamp(min=1.0))))
+
+
 class QuantLinear(nn.Module):
-    """nn.Linear in the sampler. "fp8" (e4m3) and "int8" (bitsandbytes LLM.int8, threshold 0) are
-    W8A8: 8-bit weights with per-output-channel scales, activations quantized per token on the fly.
-    "nf4" is W4A16 (QaRL's class): 4-bit weights, activations left as they are."""
+    """nn.Linear in the sampler. fp8 (e4m3), int8 (LLM.int8): W8A8, weights with per-output-channel
+    scales, activations quantized per token on the fly. nf4: W4A16 (QaRL's), 4-bit weights."""
 
     def __init__(self, linear: nn.Linear, fmt: str):
         super().__init__()
         self.fmt, self.in_features, self.out_features = fmt, linear.in_features, linear.out_features
-        # FP8: torch._scaled_mm on CUDA 8.9+; elsewhere (CPU, A100) the same math, emulated
-        gpu = linear.weight.is_cuda and torch.cuda.get_device_capability() >= (8, 9)
-        self.kernel = {"int8": "bnb", "nf4": "bnb-nf4"}.get(fmt, "scaled_mm" if gpu else "emulate")
+        self.kernel = "emulate"  # FP8: torch._scaled_mm on CUDA 8.9+, else emulated
+        if linear.weight.is_cuda and torch.cuda.get_device_capability() >= (8, 9):
+            self.kernel = "scaled_mm"
         self.register_buffer("weight_q", None)
         self.register_buffer("weight_scale", None)
         self.register_buffer("weight_deq", None, persistent=False)  # CPU: the values, per sync
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.register_buffer("bias", None)
+        if linear.bias is not None:
+            self.bias = linear.bias.detach().clone()
         self.nf4_state = None
         self.load_weight(linear.weight)
 
@@ -261,33 +292,42 @@ class QuantLinear(nn.Module):
                 changed = int(((diff & 0x0F) != 0).sum() + ((diff & 0xF0) != 0).sum())
             else:
                 changed = int((diff != 0).sum())
-            self.weight_q.copy_(codes)  # in place: a compiled decode step holds these tensors
+            self.weight_q.copy_(codes)  # in place: a compiled decode step holds them
             self.weight_scale.copy_(scale)
         if self.nf4_state is not None:
             self.nf4_state.absmax = self.weight_scale
-        if self.kernel != "bnb" and not codes.is_cuda:  # the CPU dequantizes once per sync
+
+        if self.fmt != "int8" and not codes.is_cuda:  # the CPU dequantizes once per sync
             values = dequantize(self.weight_q, self.weight_scale, self.nf4_state, self.fmt)
-            self.weight_deq = values if self.weight_deq is None else self.weight_deq.copy_(values)
+            if self.weight_deq is None:
+                self.weight_deq = values
+            else:
+                self.weight_deq.copy_(values)
         if bias is not None:
             self.bias.copy_(bias)
         return changed
 
     def forward(self, x: Tensor) -> Tensor:
         device = x.device.type  # inside torch.autocast a linear returns the autocast dtype
-        autocast_on = torch.is_autocast_enabled(device)
-        out_dtype = torch.get_autocast_dtype(device) if autocast_on else x.dtype
-        bias = None if self.bias is None else self.bias.to(out_dtype)
-        if self.fmt == "nf4":  # W4A16: the weights meet x in the compute dtype
-            weight = self.weight_deq
-            if weight is None:  # CUDA: bitsandbytes dequantizes into that dtype at each call
-                self.nf4_state.dtype = out_dtype
-                weight = dequantize(self.weight_q, self.weight_scale, self.nf4_state, "nf4")
-            return F.linear(x.to(out_dtype), weight.to(out_dtype), bias)
-        x2 = x.reshape(-1, self.in_features)
-        weights = self.weight_q, self.weight_scale, self.fmt, self.kernel, self.weight_deq
-        y = w8a8_matmul(x2, *weights)
-        y = y.to(out_dtype) if bias is None else y.to(out_dtype) + bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        out_dtype = x.dtype
+        if torch.is_autocast_enabled(device):
+            out_dtype = torch.get_autocast_dtype(device)
+        bias = self.bias.to(out_dtype) if self.bias is not None else None
+
+        if self.fmt != "nf4":  # W8A8: 8-bit codes on both sides of the product
+            x2 = x.reshape(-1, self.in_features)  # (M, K): a row per token
+            if self.fmt == "fp8":
+                y = fp8_matmul(x2, self.weight_q, self.weight_scale, self.kernel, self.weight_deq)
+            else:
+                y = int8_matmul(x2, self.weight_q, self.weight_scale)
+            y = y.to(out_dtype).reshape(*x.shape[:-1], self.out_features)
+            return y if bias is None else y + bias
+
+        weight = self.weight_deq  # NF4, W4A16: the weights meet x in the compute dtype
+        if weight is None:  # CUDA: bitsandbytes dequantizes into that dtype at each call
+            self.nf4_state.dtype = out_dtype
+            weight = dequantize(self.weight_q, self.weight_scale, self.nf4_state, "nf4")
+        return F.linear(x.to(out_dtype), weight.to(out_dtype), bias)
 
 
 def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -296,18 +336,35 @@ def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if isinstance(module, (nn.Linear, QuantLinear)) and ".layers." in f".{name}"]
 
 
-def quantize_actor(actor: nn.Module, fmt: str) -> nn.Module:
-    """The sampler: a frozen copy of the actor whose decoder linears are QuantLinear."""
+def quantized_copy(actor: nn.Module, fmt: str) -> nn.Module:
+    """A frozen copy of the actor, its decoder linears QuantLinear (the actor is untouched)."""
     # deepcopy's memo swaps each linear for its QuantLinear: no second fp32 copy (28 GB at 7B)
     memo = {id(linear): QuantLinear(linear, fmt) for _, linear in decoder_linears(actor)}
     return copy.deepcopy(actor, memo).eval().requires_grad_(False)
 
 
+def make_sampler(actor: nn.Module, quant: str, dtype: torch.dtype) -> nn.Module:
+    """The sampler. none: the actor (zero mismatch); bf16, fp16: a copy in that dtype (RoPE's
+    buffers stay fp32); int8, fp8, nf4: `quantized_copy`, its lm_head cast to `dtype` (the rest
+    fp32 under the actor's autocast)."""
+    if quant == "none":
+        return actor
+    if quant in ("bf16", "fp16"):
+        copy_dtype = torch.bfloat16 if quant == "bf16" else torch.float16
+        memo = {id(param): nn.Parameter(param.detach().to(copy_dtype), requires_grad=False)
+                for param in actor.parameters()}
+        return copy.deepcopy(actor, memo).eval()
+
+    sampler = quantized_copy(actor, quant)
+    head = sampler.get_output_embeddings()  # its own weight, even where the actor ties it
+    head.weight = nn.Parameter(head.weight.detach().to(dtype), requires_grad=False)
+    return sampler
+
+
 @torch.no_grad()
 def sync_weights(sampler: nn.Module, actor: nn.Module) -> float:
     """sampler <- actor, in place: re-quantize every QuantLinear, copy the rest. Returns the flip
-    rate, the share of the decoder linears' codes (bf16/fp16: values) that changed: QuRL's
-    weight-update problem is that tiny updates flip none."""
+    rate, the share of codes (half copies: values) changed: QuRL's weight-update problem."""
     if sampler is actor:
         return 0.0
     actor_modules = dict(actor.named_modules())
@@ -319,6 +376,7 @@ def sync_weights(sampler: nn.Module, actor: nn.Module) -> float:
         else:  # a half-precision copy: its codes are its values
             changed += int((module.weight != source.weight.to(module.weight.dtype)).sum())
         total += source.weight.numel()
+
     actor_params = dict(actor.named_parameters(remove_duplicate=False))  # lm_head may be untied
     for name, param in sampler.named_parameters():
         param.copy_(actor_params[name])
@@ -326,22 +384,22 @@ def sync_weights(sampler: nn.Module, actor: nn.Module) -> float:
 
 
 @torch.no_grad()
-def invariant_rescale(model: nn.Module, s: float) -> None:
-    """QuRL's update-aware quantization (Eq. 11-12), once before RL: W x = (W / s)(s x), with the
-    q/k/v and gate/up weights divided by s and the RMSNorm weights feeding them multiplied by s. The
-    function is unchanged, but W / s has an s times smaller quantization step while an Adam update
-    keeps its size: about s times more updates flip a code and reach the sampler."""
+def invariant_rescale(model: nn.Module, scale: float) -> None:
+    """QuRL's update-aware quantization (Eq. 11-12), once before RL: W x = (W / s)(s x), s =
+    `scale`: q/k/v and gate/up weights divided by s, the RMSNorms feeding them multiplied. W / s
+    has an s times finer quantization step while an Adam update keeps its size: more updates
+    flip a code and reach the sampler."""
     if type(model).__name__ not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"):
         raise QurlError(f"invariant scaling supports Qwen2, Qwen3 and Llama, not "
                         f"{type(model).__name__}: use --invariant-scale 1")
     for layer in model.model.layers:
         attention, mlp = layer.self_attn, layer.mlp
-        for norm, linears in ((layer.input_layernorm, (attention.q_proj, attention.k_proj,
-                                                       attention.v_proj)),
-                              (layer.post_attention_layernorm, (mlp.gate_proj, mlp.up_proj))):
-            norm.weight.mul_(s)  # s x (an RMSNorm's output is linear in its weight)
+        groups = [(layer.input_layernorm, [attention.q_proj, attention.k_proj, attention.v_proj]),
+                  (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])]
+        for norm, linears in groups:
+            norm.weight.mul_(scale)  # s x (an RMSNorm's output is linear in its weight)
             for linear in linears:
-                linear.weight.div_(s)  # W / s (the bias stays: (W / s)(s x) + b = W x + b)
+                linear.weight.div_(scale)  # W / s (the bias stays: (W / s)(s x) + b = W x + b)
 
 
 def fake_quant(x: Tensor, fmt: str) -> Tensor:
@@ -353,9 +411,8 @@ def fake_quant(x: Tensor, fmt: str) -> Tensor:
 
 
 def aligned_linear(linear: nn.Linear, fmt: str, x: Tensor) -> Tensor:
-    """QaRL's rollout-aligned linear: its value is the sampler's own layer on the codes of the
-    current weights (so pi_prox equals pi_behav in any dtype), its gradient the straight-through
-    path's."""
+    """QaRL's rollout-aligned linear: the value of the sampler's own layer on the current
+    weights' codes (pi_prox = pi_behav in any dtype), the straight-through path's gradient."""
     with torch.no_grad():
         value = QuantLinear(linear, fmt)(x)
     x_q = x if fmt == "nf4" else fake_quant(x, fmt)  # W4A16 leaves activations alone
@@ -364,9 +421,11 @@ def aligned_linear(linear: nn.Linear, fmt: str, x: Tensor) -> Tensor:
 
 
 @contextlib.contextmanager
-def rollout_aligned(model: nn.Module | None, fmt: str | None):
-    """In this block the decoder linears compute as the sampler's (`aligned_linear`)."""
-    linears = [module for _, module in decoder_linears(model)] if fmt and model else []
+def rollout_aligned(model: nn.Module, fmt: str | None):
+    """In this block the decoder linears compute as the sampler's (fmt None: as they are)."""
+    linears = []
+    if fmt:
+        linears = [module for _, module in decoder_linears(model)]
     for linear in linears:
         linear.forward = lambda x, linear=linear: aligned_linear(linear, fmt, x)
     try:
@@ -377,6 +436,9 @@ def rollout_aligned(model: nn.Module | None, fmt: str | None):
 
 
 # ==================== THE METHOD, 3: the rollout, recording logp_behav
+SYNC_EVERY = 8  # decode steps between host syncs on a GPU (each stalls the launch queue)
+
+
 @dataclass
 class Rollout:
     input_ids: Tensor  # (B, P + R): the left-padded prompt, then the response
@@ -389,91 +451,132 @@ class Rollout:
 
 
 def _pick(logits: Tensor, temperature: float, noise: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The next token and its log-prob under p = softmax(logits / T), where it comes from (no top-k
-    or top-p, which the ratio would have to reproduce): argmax(p / E), E ~ Exponential(1) `noise`,
-    is torch.multinomial's own algorithm, with no host sync."""
+    """The next token and its log-prob under p = softmax(logits / T) (no top-k or top-p: the ratio
+    would have to reproduce them). argmax(p / E), E ~ Exponential(1), is multinomial's draw."""
     if temperature == 0:  # greedy; the log-prob is reported at T = 1
         logp = torch.log_softmax(logits.float(), dim=-1)
         token = logp.argmax(dim=-1)
         return token, logp.gather(-1, token[:, None]).squeeze(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
     token = probs.div(noise).argmax(dim=-1)
     return token, probs.gather(-1, token[:, None]).log().squeeze(-1)
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """EOS ids: the tokenizer's and the generation config's (Qwen: also <|im_end|>)."""
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    if not isinstance(configured, (list, tuple)):
+        configured = [configured]
+    return sorted({i for i in [tokenizer.eos_token_id, *configured] if i is not None})
+
+
+def _prefill(model, tokenizer, input_ids: Tensor, attention_mask: Tensor):
+    """The prompts into a new KV cache: (last logits, cache, {keyword: cache}, stop ids).
+    transformers 5.24 calls it `cache`, older ones `past_key_values`; each ignores the other."""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=model.config)
+    parameters = inspect.signature(model.forward).parameters
+    keyword = "cache" if "cache" in parameters else "past_key_values"
+
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (b, P)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                   use_cache=True, logits_to_keep=1, **{keyword: cache}).logits[:, -1]  # (b, V)
+    if cache.get_seq_length() != input_ids.shape[1]:
+        import transformers
+        raise RuntimeError(f"sample: the model did not fill the KV cache (transformers "
+                           f"{transformers.__version__}; tested: 4.57 to 5.25)")
+
+    stop_ids = torch.tensor(stop_token_ids(model, tokenizer), device=input_ids.device)
+    return logits, cache, {keyword: cache}, stop_ids
 
 
 @torch.no_grad()
 def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64,
            temperature: float = 1.0, generator: torch.Generator | None = None) -> Rollout:
-    """n samples of each prompt, a token per step for the whole batch, with a KV cache. Each prompt
-    is prefilled once; finished rows leave once a quarter of the batch is done. Positions come from
-    the cumulative attention mask: left padding does not shift RoPE."""
+    """n samples of each prompt, a token per step for the batch, with a KV cache. Each prompt is
+    prefilled once; finished rows leave when a quarter of the batch is done. Positions come from
+    the attention mask: left padding does not shift RoPE."""
     device = next(model.parameters()).device
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
                         padding_side="left").to(device)
-    input_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]
+    input_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]  # (b, P)
     B, pad = len(prompts) * n, tokenizer.pad_token_id
     logits, cache, cache_kwarg, stop_ids = _prefill(model, tokenizer, input_ids, prompt_mask)
     cache.batch_repeat_interleave(n)  # rows i n .. i n + n - 1 are prompt i's samples
-    logits = logits.repeat_interleave(n, 0)
-    attention_mask = prompt_mask.repeat_interleave(n, 0)
-    position = attention_mask.sum(-1)
-    tokens = torch.full((B, max_new_tokens), pad, device=device)
+    logits = logits.repeat_interleave(n, 0)  # (B, V)
+    attention_mask = prompt_mask.repeat_interleave(n, 0)  # (B, P), then a column a step
+    position = attention_mask.sum(-1)  # (B,): the next RoPE position
+
+    tokens = torch.full((B, max_new_tokens), pad, device=device)  # (B, R) by output row
     logp_behav = torch.zeros(B, max_new_tokens, device=device)
     end = torch.full((B,), max_new_tokens, device=device)  # the first EOS's index
-    live = torch.arange(B, device=device)  # batch row -> output row
+    out_rows = torch.arange(B, device=device)  # batch row -> output row
     done = torch.zeros(B, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
         noise = torch.empty_like(logits, dtype=torch.float).exponential_(generator=generator)
-        token, logp = _pick(logits, temperature, noise)
+        token, logp = _pick(logits, temperature, noise)  # (b,): b rows left
         token = torch.where(done, pad, token)
-        tokens[live, t], logp_behav[live, t] = token, logp
+        tokens[out_rows, t] = token
+        logp_behav[out_rows, t] = logp
         finished = torch.isin(token, stop_ids) & ~done
-        end[live] = torch.where(finished, t, end[live])
+        end[out_rows] = torch.where(finished, t, end[out_rows])
         done = done | finished
         if t == max_new_tokens - 1:
             break
-        # a host sync: each step on a CPU, every 8th on CUDA (where transformers' mask syncs anyway)
-        n_done = int(done.sum()) if device.type == "cpu" or t % 8 == 0 else 0
-        if n_done == len(live):
-            break
-        if n_done and n_done >= len(live) / 4:  # drop the finished rows (and their cache)
-            keep = (~done).nonzero().squeeze(1)
-            cache.batch_select_indices(keep)
-            live, token, done = live[keep], token[keep], done[keep]
-            attention_mask, position = attention_mask[keep], position[keep]
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), 1)], dim=1)
+
+        # a host sync: each step on a CPU, every SYNC_EVERY on a GPU
+        if device.type == "cpu" or t % SYNC_EVERY == 0:
+            n_done = int(done.sum())
+            if n_done == len(out_rows):
+                break
+            if n_done >= len(out_rows) / 4:  # drop the finished rows (and their cache)
+                unfinished = (~done).nonzero().squeeze(1)
+                cache.batch_select_indices(unfinished)
+                out_rows, token, done = out_rows[unfinished], token[unfinished], done[unfinished]
+                attention_mask, position = attention_mask[unfinished], position[unfinished]
+
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(out_rows), 1)], 1)
         logits = model(input_ids=token[:, None], attention_mask=attention_mask, use_cache=True,
-                       position_ids=position[:, None], **cache_kwarg).logits[:, -1]
+                       position_ids=position[:, None], **cache_kwarg).logits[:, -1]  # (b, V)
         position = position + 1
     R = t + 1
     return _finish(tokenizer, input_ids, prompt_mask, n, tokens[:, :R], logp_behav[:, :R], end)
 
 
 def _finish(tokenizer, input_ids, prompt_mask, n, tokens, logp_behav, end) -> Rollout:
-    """The Rollout: tokens after the first EOS become padding."""
+    """The Rollout of (B, R) tokens and log-probs, (B,) first EOS, (b, P) prompts sampled n times
+    each: tokens after the first EOS become padding."""
     R = tokens.shape[1]
     response_mask = (torch.arange(R, device=tokens.device)[None, :] <= end[:, None]).float()
     tokens = tokens.masked_fill(response_mask == 0, tokenizer.pad_token_id)
     texts = [row[mask.bool()].tolist() for row, mask in zip(tokens, response_mask)]
-    full_mask = torch.cat([prompt_mask.repeat_interleave(n, 0), torch.ones_like(tokens)], dim=1)
-    return Rollout(torch.cat([input_ids.repeat_interleave(n, 0), tokens], dim=1), full_mask,
-                   response_mask, logp_behav * response_mask, input_ids.shape[1],
-                   tokenizer.batch_decode(texts, skip_special_tokens=True), end >= R)
+
+    prompt_ids = input_ids.repeat_interleave(n, 0)  # (B, P)
+    prompt_mask = prompt_mask.repeat_interleave(n, 0)
+    texts = tokenizer.batch_decode(texts, skip_special_tokens=True)
+    ids = torch.cat([prompt_ids, tokens], dim=1)  # (B, P + R)
+    attention_mask = torch.cat([prompt_mask, torch.ones_like(tokens)], dim=1)
+    return Rollout(ids, attention_mask, response_mask, logp_behav * response_mask, ids.shape[1] - R,
+                   texts, end >= R)
 
 
 # ==================== THE METHOD, 4: teacher-forced log-probs
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
                    temperature: float = 1.0, micro_batch: int = 64) -> Tensor:
-    """(B, R) log-probs of the last R tokens under log_softmax(logits / T), in micro-batches."""
+    """(B, R) log-probs of the last R tokens of (B, P + R) rows under log_softmax(logits / T), in
+    micro-batches."""
     R = response_mask.shape[1]
-    temperature = temperature if temperature > 0 else 1.0  # greedy rollouts are scored at T = 1
+    if temperature <= 0:  # greedy rollouts are scored at T = 1
+        temperature = 1.0
     out = []
     for i in range(0, input_ids.shape[0], micro_batch):
-        ids, mask = input_ids[i:i + micro_batch], attention_mask[i:i + micro_batch]
+        ids, mask = input_ids[i:i + micro_batch], attention_mask[i:i + micro_batch]  # (b, P + R)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
-                       logits_to_keep=R + 1).logits[:, :-1]  # position j predicts token j + 1
-        z = logits.float() / temperature if temperature != 1.0 else logits.float()
+                       logits_to_keep=R + 1).logits[:, :-1]  # (b, R, V): j predicts token j + 1
+        z = logits.float()
+        if temperature != 1.0:
+            z = z / temperature
         out.append(z.gather(-1, ids[:, -R:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1))
         del logits, z
     return torch.cat(out) * response_mask
@@ -484,7 +587,7 @@ LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: a runaway log-ratio stays finite
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """The mean of x where mask is 1 (over everything, or along dim); 0 where the mask is empty."""
+    """The mean of x where mask is 1 (all, or along dim); 0 over an empty mask."""
     if dim is None:
         return (x * mask).sum() / mask.sum().clamp(min=1.0)
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
@@ -492,110 +595,121 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
 
 def k3(log_ratio: Tensor) -> Tensor:
     """Schulman's k3 estimate of KL(p || q) from samples of p, r = log q/p: e^r - 1 - r."""
-    r = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return r.exp() - 1 - r
+    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return log_ratio.exp() - 1 - log_ratio
 
 
-def group_advantages(rewards: Tensor, group_size: int) -> tuple[Tensor, int]:
-    """GRPO: A_i = (R_i - mean_group R) / (std_group R + 1e-6), the unbiased std (as TRL); and how
-    many groups have all rewards equal (no signal)."""
+def group_advantages(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """GRPO: A_i = (R_i - mean_group R) / (std_group R + 1e-6), unbiased std (as TRL), in groups
+    of consecutive rows; has_signal: False where a group's rewards are equal (A = 0)."""
     grouped = rewards.float().view(-1, group_size)
     std = grouped.std(dim=1, keepdim=True)
     adv = (grouped - grouped.mean(dim=1, keepdim=True)) / (std + 1e-6)
-    return adv.view(-1), int((std == 0).sum())
+    has_signal = (std > 0).expand_as(grouped)
+    return adv.reshape(-1), has_signal.reshape(-1)
 
 
 def token_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, mask: Tensor,
-               loss: str = "acr", eps_low: float = 0.2, eps_high: float = 0.28,
-               is_cap: float = 2.0, denom: float | None = None) -> tuple[Tensor, dict]:
-    """The token-level objectives over (B, T) log-probs, (B,) adv and a (B, T) mask, each a step
-    from the last: naive clips pi_theta / pi_behav; tis clips R = pi_theta / pi_prox and weights
-    it by w = min(pi_prox / pi_behav, C); acr also widens the upper bound where w was truncated.
-    The mean over the mask's tokens (DAPO), or the sum over `denom`."""
+               kind: str, eps_low: float, eps_high: float, is_cap: float,
+               denom: Tensor | float | None = None) -> tuple[Tensor, dict]:
+    """Token-level objectives over (B, R) log-probs, (B,) adv, a (B, R) mask: naive clips
+    pi_theta / pi_behav; tis clips R = pi_theta / pi_prox, weighted by w = min(pi_prox / pi_behav,
+    C); acr also widens the upper bound where w was truncated. The mean over the mask's tokens
+    (DAPO), or the sum over `denom` (the mini-batch's, when accumulating)."""
     logp_prox, logp_behav = logp_prox.detach(), logp_behav.detach()
-    adv = adv.detach().to(logp.dtype)[:, None]  # each token takes its sequence's advantage
+    adv = adv.detach().to(logp.dtype)[:, None]  # a token takes its sequence's advantage
     mask = mask.to(logp.dtype)
     log_w = (logp_prox - logp_behav).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     upper = torch.full_like(logp, 1 + eps_high)
-    if loss == "naive":
+    if kind == "naive":  # QuRL Eq. 3: the sampler as the old policy
         ratio = (logp - logp_behav).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # pi_theta/behav
         w = torch.ones_like(ratio)
     else:
         ratio = (logp - logp_prox).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # R
         w = log_w.exp().clamp(max=is_cap)  # QuRL Eq. 5: w = min(pi_prox / pi_behav, C), no grad
-    if loss == "acr":
+    if kind == "acr":
         r = (is_cap * (-log_w).exp()).clamp(max=1.0)  # QuRL Eq. 9: r = min(1, C pi_behav/pi_prox)
         upper = upper / r  # QuRL Eq. 9: the upper bound (1 + eps_high) / r
+
     clipped = torch.minimum(torch.maximum(ratio, torch.full_like(ratio, 1 - eps_low)), upper)
     per_token = -w * torch.minimum(ratio * adv, clipped * adv)  # -min(R A, clip(R) A)
-    out = (per_token * mask).sum() / (denom or mask.sum().clamp(min=1.0))
+    if denom is None:
+        denom = mask.sum().clamp(min=1.0)
+    out = (per_token * mask).sum() / denom
+
     ratio = ratio.detach()
     clip_low = ((ratio < 1 - eps_low) & (adv < 0)).to(mask.dtype)  # tokens the clip stops
     clip_high = ((ratio > upper) & (adv > 0)).to(mask.dtype)
-    return out, {"loss/policy": float(out.detach()), "clip/low": float(masked_mean(clip_low, mask)),
-                 "clip/high": float(masked_mean(clip_high, mask)),
-                 "clip/acr_upper": float(masked_mean(upper, mask))}
+    return out, {"loss/policy": out.detach(), "clip/low": masked_mean(clip_low, mask),
+                 "clip/high": masked_mean(clip_high, mask),
+                 "clip/acr_upper": masked_mean(upper, mask)}
 
 
 def tbpo_ratio(logp: Tensor, logp_prox: Tensor, adv: Tensor, mask: Tensor,
                tbpo_band: tuple[float, float, float]) -> tuple[Tensor, ...]:
-    """TBPO's sequence ratio s_i = exp(mean_t log pi_theta / pi_prox), a geometric mean (as GSPO),
-    and its band: (s, keep, below, above); `keep` marks the sequences that stay in the loss."""
+    """TBPO's sequence ratio s_i = exp(mean_t log pi_theta / pi_prox) (a geometric mean, as GSPO),
+    and (B,) in_band, below, above. A >= 0 below 1 - LO stays in: min(s A, clip(s) A) = s A,
+    whose gradient pushes s back up."""
     lo, hi_pos, hi_neg = tbpo_band
     log_ratio = masked_mean(logp - logp_prox.detach(), mask, dim=1)
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     s = ratio.detach()
-    below = (adv < 0) & (s < 1 - lo)  # (A >= 0 below the band: PPO's min stops its gradient)
+    below = (adv < 0) & (s < 1 - lo)
     above = torch.where(adv >= 0, s > 1 + hi_pos, s > 1 + hi_neg)
     return ratio, (mask.sum(1) > 0) & ~below & ~above, below, above
 
 
 def tbpo_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, mask: Tensor,
-              is_cap: float = 2.0, tbpo_band: tuple[float, float, float] = (3e-4, 4e-4, 7e-4),
-              denom: float | None = None) -> tuple[Tensor, dict]:
-    """QaRL's Trust-Band Policy Optimization, per sequence, over (B, T) log-probs, (B,) adv and a
-    (B, T) mask. A >= 0 is PPO-clipped to [1 - LO, 1 + HI+]; A < 0 is held in the band [1 - LO,
-    1 + HI-]. Sequences out of their band leave the loss and its denominator (the kept count, or
-    `denom`)."""
+              is_cap: float, tbpo_band: tuple[float, float, float],
+              denom: Tensor | float | None = None) -> tuple[Tensor, dict]:
+    """QaRL's Trust-Band Policy Optimization per sequence, over `token_loss`'s shapes: A >= 0
+    PPO-clipped to [1 - LO, 1 + HI+], A < 0 held in the band [1 - LO, 1 + HI-]. Sequences out of
+    band leave the loss and its denominator (their count, or `denom` when accumulating)."""
     adv, mask = adv.detach().to(logp.dtype), mask.to(logp.dtype)
     lo, hi_pos, hi_neg = tbpo_band
-    ratio, keep, below, above = tbpo_ratio(logp, logp_prox, adv, mask, tbpo_band)
+    ratio, in_band, below, above = tbpo_ratio(logp, logp_prox, adv, mask, tbpo_band)
     log_w = (logp_prox - logp_behav).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     w_hat = masked_mean(log_w, mask, dim=1).exp().clamp(max=is_cap)  # min(w_i, C), no grad
+
     positive = torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi_pos) * adv)  # A >= 0: clip
     negative = ratio.clamp(1 - lo, 1 + hi_neg) * adv  # A < 0: the band
-    kept = keep.to(logp.dtype)
-    out = -(kept * w_hat * torch.where(adv >= 0, positive, negative)).sum()
-    out = out / (denom or kept.sum().clamp(min=1.0))
-    live = mask.sum(1) > 0
-    n_live = live.sum().clamp(min=1)
-    return out, {"loss/policy": float(out.detach()), "tbpo/kept": float(kept.sum() / n_live),
-                 "clip/low": float((below & live).sum() / n_live),
-                 "clip/high": float((above & live).sum() / n_live)}
+    out = -(in_band * w_hat * torch.where(adv >= 0, positive, negative)).sum()
+    if denom is None:
+        denom = in_band.sum().clamp(min=1)
+    out = out / denom
+
+    nonempty = mask.sum(1) > 0
+    n_nonempty = nonempty.sum().clamp(min=1)
+    return out, {"loss/policy": out.detach(), "tbpo/kept": in_band.sum() / n_nonempty,
+                 "clip/low": (below & nonempty).sum() / n_nonempty,
+                 "clip/high": (above & nonempty).sum() / n_nonempty}
 
 
 def policy_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, mask: Tensor,
-                loss: str = "acr", eps_low: float = 0.2, eps_high: float = 0.28,
-                is_cap: float = 2.0, tbpo_band: tuple[float, float, float] = (3e-4, 4e-4, 7e-4),
-                denom: float | None = None) -> tuple[Tensor, dict]:
-    """`tbpo_loss` or `token_loss`, with the sampled tokens' entropy; gradient into logp only."""
-    if loss == "tbpo":
+                kind: str, eps_low: float, eps_high: float, is_cap: float,
+                tbpo_band: tuple[float, float, float],
+                denom: Tensor | float | None = None) -> tuple[Tensor, dict]:
+    """`tbpo_loss` or `token_loss`, with the sampled tokens' entropy; gradient into logp only. The
+    metrics are 0-dim tensors: on a GPU each float() is a host sync."""
+    if kind == "tbpo":
         out, metrics = tbpo_loss(logp, logp_prox, logp_behav, adv, mask, is_cap, tbpo_band, denom)
     else:
-        out, metrics = token_loss(logp, logp_prox, logp_behav, adv, mask, loss, eps_low, eps_high,
+        out, metrics = token_loss(logp, logp_prox, logp_behav, adv, mask, kind, eps_low, eps_high,
                                   is_cap, denom)
     entropy = masked_mean(-logp.detach(), mask.to(logp.dtype))
-    return out, {"loss/entropy": float(entropy), **metrics}
+    return out, {"loss/entropy": entropy, **metrics}
 
 
 def mismatch_metrics(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> dict:
-    """The sampler's distance to the actor on the sampled tokens: k3 KL(pi_behav || pi_prox),
-    mean |log pi_prox - log pi_behav|, max pi_prox / pi_behav."""
+    """On the sampled tokens: k3 KL(pi_behav || pi_prox), mean |log pi_prox - log pi_behav|, max
+    pi_prox / pi_behav."""
     log_w = (logp_prox - logp_behav).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio_max = log_w.masked_fill(mask == 0, -math.inf).max().exp() if mask.any() else 1.0
+    ratio_max = 1.0
+    if mask.any():
+        ratio_max = float(log_w.masked_fill(mask == 0, -math.inf).max().exp())
     return {"mismatch/kl": float(masked_mean(k3(log_w), mask)),
             "mismatch/logp_absdiff": float(masked_mean(log_w.abs(), mask)),
-            "mismatch/ratio_max": float(ratio_max)}
+            "mismatch/ratio_max": ratio_max}
 
 
 # ==================== THE METHOD, 6: one RL step
@@ -605,38 +719,28 @@ MAX_GRAD_NORM = 1.0  # gradient clipping
 @dataclass
 class Learner:
     """What an RL step touches."""
-    actor: nn.Module  # the model trained: fp32 master weights
-    optimizer: torch.optim.Optimizer  # AdamW over the actor, fp32 state
-    sampler: nn.Module  # the actor's rollout copy (--quant none: the actor)
+    actor: nn.Module  # fp32 master weights
+    optimizer: torch.optim.Optimizer  # AdamW, fp32 state
+    sampler: nn.Module  # the rollout copy (--quant none: the actor)
     tokenizer: object
     generator: torch.Generator  # the sampler's random numbers
-    dtype: torch.dtype  # the compute dtype (fp32: no autocast)
+    dtype: torch.dtype  # the compute dtype
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
-    """Mixed precision: forwards compute in `dtype` on fp32 master weights."""
+    """Forwards compute in `dtype` on fp32 master weights; fp32: autocast off."""
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
-def make_sampler(actor: nn.Module, quant: str, dtype: torch.dtype) -> nn.Module:
-    """The sampler. none: the actor (the zero-mismatch baseline); bf16, fp16: a copy in that dtype
-    (buffers such as RoPE's stay fp32), run without autocast; int8, fp8, nf4: quantized decoder
-    linears, the rest in fp32 under the actor's autocast but lm_head, cast once per sync."""
-    if quant == "none":
-        return actor
+def rollout_autocast(quant: str, device: torch.device, dtype: torch.dtype):
+    """A bf16 or fp16 copy decodes in its own dtype, autocast off; other samplers as the actor."""
     if quant in ("bf16", "fp16"):
-        half = torch.bfloat16 if quant == "bf16" else torch.float16
-        memo = {id(param): nn.Parameter(param.detach().to(half), requires_grad=False)
-                for param in actor.parameters()}
-        return copy.deepcopy(actor, memo).eval()
-    sampler = quantize_actor(actor, quant)
-    head = sampler.get_output_embeddings()  # its own weight, even where the actor ties it
-    head.weight = nn.Parameter(head.weight.detach().to(dtype), requires_grad=False)
-    return sampler
+        return torch.autocast(device.type, enabled=False)
+    return autocast(device, dtype)
 
 
 def select(batch: dict, rows) -> dict:
-    """Some rows of a batch (a dict of row-aligned tensors)."""
+    """Some rows of a dict of row-aligned tensors."""
     return {key: value[rows] for key, value in batch.items()}
 
 
@@ -651,11 +755,11 @@ def train_step(learner: Learner, args: Args, problems: list[dict], step: int) ->
     start = time.time()
     G, device = args.group_size, learner.generator.device
     flip_rate = sync_weights(learner.sampler, learner.actor)  # 1. the sampler <- the actor
-    prompts = [format_prompt(p["question"], learner.tokenizer) for p in problems]
-    learner.actor.eval()
+
+    prompts = [format_prompt(p["question"], learner.tokenizer) for p in problems]  # 2. rollout
     decode = compiled_sample if args.compile else sample
-    half = args.quant in ("bf16", "fp16")  # a half copy computes in its own dtype
-    with autocast(device, torch.float32 if half else learner.dtype):  # 2. the rollout
+    learner.actor.eval()
+    with rollout_autocast(args.quant, device, learner.dtype):
         rollout = decode(learner.sampler, learner.tokenizer, prompts, G, args.max_new_tokens,
                          args.temperature, learner.generator)
     learner.actor.train()
@@ -663,24 +767,27 @@ def train_step(learner: Learner, args: Args, problems: list[dict], step: int) ->
 
     golds = [p["gold"] for p in problems for _ in range(G)]  # 3. rewards, GRPO advantages
     rewards = torch.tensor([reward(text, gold) for text, gold in zip(rollout.texts, golds)])
-    adv, zero_std_groups = group_advantages(rewards, G)
+    adv, has_signal = group_advantages(rewards, G)  # (B,) each
+    has_signal = has_signal.to(device)
     batch = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
              "response_mask": rollout.response_mask, "logp_behav": rollout.logp_behav,
              "adv": adv.to(device)}
-    trained = (rewards.view(-1, G).std(1) > 0).repeat_interleave(G).to(device)  # A != 0
 
-    align = args.quant if args.align_forward else None
+    align = args.quant if args.align_forward else None  # 4. pi_prox and the update
     with autocast(device, learner.dtype), rollout_aligned(learner.actor, align):
-        logp_prox = torch.zeros_like(rollout.logp_behav)
-        if not trained.all():  # 4. pi_prox of the untrained rows too (mismatch/* sees all)
+        logp_prox = torch.zeros_like(rollout.logp_behav)  # (B, R)
+        if not has_signal.all():  # for mismatch/*
             with torch.no_grad():
-                logp_prox[~trained] = batch_logprobs(learner.actor, select(batch, ~trained), args)
-        update_metrics, logp_prox[trained] = update(learner, args, select(batch, trained))
+                no_signal = select(batch, ~has_signal)
+                logp_prox[~has_signal] = batch_logprobs(learner.actor, no_signal, args)
+        # update trains the rows with signal and returns their pi_prox
+        update_metrics, logp_prox[has_signal] = update(learner, args, select(batch, has_signal))
 
     n_tokens = float(rollout.response_mask.sum())
     step_s = time.time() - start
     return {"step": step, "quant/flip_rate": flip_rate, "reward/mean": float(rewards.mean()),
-            "reward/zero_std_groups": zero_std_groups, "rollout/len_mean": n_tokens / len(rewards),
+            "reward/zero_std_groups": int((~has_signal).sum()) // G,
+            "rollout/len_mean": n_tokens / len(rewards),
             "rollout/truncated": float(rollout.truncated.float().mean()),
             **mismatch_metrics(logp_prox, rollout.logp_behav, rollout.response_mask),
             "rollout/entropy": float(masked_mean(-rollout.logp_behav, rollout.response_mask)),
@@ -690,72 +797,88 @@ def train_step(learner: Learner, args: Args, problems: list[dict], step: int) ->
 
 def update(learner: Learner, args: Args, batch: dict) -> tuple[dict, Tensor]:
     """--ppo-epochs passes, --mini-batches optimizer steps each. Returns the mean metrics and
-    pi_prox, the actor's log-probs before the first step: the first mini-batch's training forward
-    gives its rows' (one update per rollout: all), a no-grad forward the rest."""
-    parts = _batches(len(batch["input_ids"]), args.mini_batches)
-    logp_prox = torch.zeros_like(batch["logp_behav"])
-    if len(parts) > 1:
-        later = slice(parts[0].stop, None)
+    pi_prox (B, R), the actor's before its first step: the first mini-batch's forward, detached
+    (one update per rollout: every row), a no-grad forward the rest."""
+    mini_batches = _batches(len(batch["input_ids"]), args.mini_batches)  # slices of rows
+    logp_prox = torch.zeros_like(batch["logp_behav"])  # (B, R)
+    if len(mini_batches) > 1:
+        later = slice(mini_batches[0].stop, None)
         with torch.no_grad():
             logp_prox[later] = batch_logprobs(learner.actor, select(batch, later), args)
+
     logs, skipped = [], 0
-    for epoch in range(args.ppo_epochs if parts else 0):
-        for part in parts:
-            first = epoch == 0 and part == parts[0]  # no optimizer step yet: pi_theta is pi_prox
+    for epoch in range(args.ppo_epochs):
+        for rows in mini_batches:
+            first = epoch == 0 and rows == mini_batches[0]  # no step yet: pi_theta is pi_prox
+            prox = None if first else logp_prox[rows]
             learner.optimizer.zero_grad(set_to_none=True)
-            metrics, finite, logp = backward_mini_batch(learner, args, select(batch, part),
-                                                        None if first else logp_prox[part])
+            metrics, finite, logp = backward_mini_batch(learner, args, select(batch, rows), prox)
             if first:
-                logp_prox[part] = logp
+                logp_prox[rows] = logp
+
             grad_norm = torch.nn.utils.clip_grad_norm_(learner.actor.parameters(), MAX_GRAD_NORM)
             if finite and torch.isfinite(grad_norm):  # never step on NaN or inf
                 learner.optimizer.step()
                 torch.clear_autocast_cache()  # autocast keeps bf16 weights until its block ends
             else:
                 skipped += 1
-                notice("non-finite loss or gradient: update skipped")
             learner.optimizer.zero_grad(set_to_none=True)
             logs.append(metrics)
-    averaged = {key: sum(log[key] for log in logs) / len(logs) for key in logs[0]} if logs else {}
-    return averaged | {"guard/skipped": skipped}, logp_prox
+
+    averaged = {"guard/skipped": skipped}
+    if logs:
+        for key in logs[0]:
+            averaged[key] = sum(log[key] for log in logs) / len(logs)
+    return averaged, logp_prox
+
+
+def _batches(n_rows: int, n_parts: int) -> list[slice]:
+    """n_parts contiguous slices, their sizes differing by at most one."""
+    bounds = [round(i * n_rows / n_parts) for i in range(n_parts + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def backward_mini_batch(learner: Learner, args: Args, mini: dict,
                         logp_prox: Tensor | None) -> tuple[dict, bool, Tensor]:
-    """A mini-batch's gradient, accumulated over micro-batches, each loss divided by the whole
-    mini-batch's denominator: the one-pass gradient at a micro-batch's memory. logp_prox None: the
-    forward's own. Returns (metrics, all finite, the detached logp)."""
-    mask = mini["response_mask"]
-    micro = [slice(i, i + args.micro_batch) for i in range(0, len(mask), args.micro_batch)]
-    options = dict(loss=args.loss, eps_low=args.eps_low, eps_high=args.eps_high,
+    """A mini-batch's gradient accumulated over micro-batches, each loss divided by the mini-batch's
+    denominator: the one-pass gradient at a micro-batch's memory. logp_prox None: the forward's
+    own. Returns (metrics, all finite, the (b, R) logp detached)."""
+    mask = mini["response_mask"]  # (b, R)
+    micro_batches = [slice(i, i + args.micro_batch) for i in range(0, len(mask), args.micro_batch)]
+    options = dict(kind=args.loss, eps_low=args.eps_low, eps_high=args.eps_high,
                    is_cap=args.is_cap, tbpo_band=tuple(args.tbpo_band))
-    denom = float(mask.sum())
-    if args.loss == "tbpo":  # TBPO divides by the sequences kept in band: count them first
-        denom = 0.0
-        with torch.no_grad():
-            for rows in micro:
-                logp = batch_logprobs(learner.actor, select(mini, rows), args)
-                prox = logp if logp_prox is None else logp_prox[rows]
-                keep = tbpo_ratio(logp, prox, mini["adv"][rows], mask[rows], args.tbpo_band)[1]
-                denom += float(keep.sum())
-        denom = max(denom, 1.0)
+    denom = mask.sum().clamp(min=1.0)  # token losses: the mini-batch's tokens
+    if args.loss == "tbpo":  # TBPO: the sequences in band
+        in_band = mask.sum(1) > 0  # pi_prox the forward's own: s = 1, all in band
+        if logp_prox is not None:  # after a step: count them first, in a no-grad pass
+            bands = []
+            for rows in micro_batches:
+                with torch.no_grad():
+                    logp = batch_logprobs(learner.actor, select(mini, rows), args)
+                adv = mini["adv"][rows]
+                bands.append(tbpo_ratio(logp, logp_prox[rows], adv, mask[rows], args.tbpo_band)[1])
+            in_band = torch.cat(bands)
+        denom = in_band.sum().clamp(min=1).to(mask.dtype)
 
-    logps, finite = [], True
-    for rows in micro:
-        part = select(mini, rows)
-        logp = batch_logprobs(learner.actor, part, args)
-        prox = logp.detach() if logp_prox is None else logp_prox[rows]
-        loss, _ = policy_loss(logp, prox, part["logp_behav"], part["adv"], mask[rows],
-                              denom=denom, **options)
+    logps, proxes, finite = [], [], torch.tensor(True)
+    for rows in micro_batches:
+        micro = select(mini, rows)
+        logp = batch_logprobs(learner.actor, micro, args)  # (m, R), with grad
+        prox = logp.detach()
+        if logp_prox is not None:
+            prox = logp_prox[rows]
+        loss, _ = policy_loss(logp, prox, micro["logp_behav"], micro["adv"],
+                              micro["response_mask"], denom=denom, **options)
         loss.backward()
-        finite &= bool(torch.isfinite(loss.detach()))
+        finite = finite & torch.isfinite(loss.detach())
         logps.append(logp.detach())
+        proxes.append(prox)
 
-    logp = torch.cat(logps)  # the mini-batch's metrics, whatever the micro-batch size
-    prox = logp if logp_prox is None else logp_prox
+    logp, prox = torch.cat(logps), torch.cat(proxes)  # (b, R) each
     _, metrics = policy_loss(logp, prox, mini["logp_behav"], mini["adv"], mask, denom=denom,
                              **options)
-    return metrics, finite, logp
+    values = torch.stack([*metrics.values(), finite]).tolist()  # one host sync
+    return dict(zip(metrics, values)), bool(values[-1]), logp
 
 
 # ==================== THE METHOD, 7: the training loop
@@ -771,9 +894,11 @@ def train(args: Args) -> dict:
                         for i in range(args.prompts_per_step)]
             metrics = train_step(learner, args, problems, step)
             run.step, run.data_pos = step, run.data_pos + args.prompts_per_step
+
             if step % args.eval_every == 0 or step == args.steps:
                 run.last_eval = metrics["eval/acc"] = run_eval(learner, args, run.test_set)
             log(metrics | {"opt/lr": learner.optimizer.param_groups[0]["lr"]})
+
             if STOP or (step % SAVE_EVERY == 0 and step != args.steps):
                 save_checkpoint(learner, run)
             if STOP:
@@ -789,14 +914,13 @@ METRIC_KEYS = ["step", "quant/flip_rate", "reward/mean", "reward/zero_std_groups
                "mismatch/ratio_max", "rollout/entropy", "clip/low", "clip/high", "clip/acr_upper",
                "loss/policy", "loss/entropy", "tbpo/kept", "guard/skipped",
                "perf/rollout_tok_s", "perf/step_s", "perf/rollout_frac", "opt/lr", "eval/acc"]
-LOG_EVERY, SAVE_EVERY = 10, 50  # a progress line, a checkpoint every so many steps
+LOG_EVERY, SAVE_EVERY = 10, 50  # steps between progress lines, checkpoints
 
 
 def _parser(defaults: bool = True) -> argparse.ArgumentParser:
-    """argparse from Args; defaults=False: only the typed flags."""
+    """argparse from Args; defaults=False: the typed flags alone."""
     parser = argparse.ArgumentParser(prog="qurl.py", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                     argument_default=None if defaults else argparse.SUPPRESS)
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.error = lambda msg: _die(f"{msg} (see python qurl.py --help)")  # one line, no usage
     for f in dataclasses.fields(Args):
         name, meta, kind = "--" + f.name.replace("_", "-"), f.metadata, str(f.type)
@@ -805,7 +929,7 @@ def _parser(defaults: bool = True) -> argparse.ArgumentParser:
             parser.add_argument(name, action=argparse.BooleanOptionalAction, default=default,
                                 **meta)
             continue
-        convert = float if "float" in kind else int if kind == "int" else str
+        convert = {"int": int, "str": str, "str | None": str}.get(kind, float)
         parser.add_argument(name, type=convert, default=default, **meta)
     return parser
 
@@ -839,6 +963,7 @@ def validate_args(args: Args) -> str | None:
     checks = [
         (args.group_size >= 2, "--group-size must be >= 2 (GRPO compares a group's samples)"),
         (args.is_cap >= 1, "--is-cap must be >= 1 (it truncates pi_prox / pi_behav)"),
+        (min(args.tbpo_band) >= 0, "--tbpo-band widths must be >= 0"),
         (args.invariant_scale is None or args.invariant_scale > 0,
          "--invariant-scale must be > 0 (1 turns it off)"),
         (args.quant in ("int8", "fp8", "nf4") or not args.align_forward,
@@ -869,76 +994,6 @@ def _die(msg: str) -> None:
     sys.exit(2)
 
 
-def _batches(n_rows: int, n_parts: int) -> list[slice]:
-    """n_parts contiguous slices, their sizes differing by at most one."""
-    bounds = [round(i * n_rows / n_parts) for i in range(n_parts + 1)]
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-
-
-def _prefill(model, tokenizer, input_ids: Tensor, attention_mask: Tensor):
-    """The prompts' forward into a new KV cache: (last logits, cache, {keyword: cache}, stop ids).
-    transformers >= 5.24 calls it `cache`, earlier `past_key_values`, and each ignores the other's
-    silently: ask, then check."""
-    from transformers import DynamicCache
-    cache = DynamicCache(config=model.config)
-    parameters = inspect.signature(model.forward).parameters
-    keyword = "cache" if "cache" in parameters else "past_key_values"
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                   use_cache=True, logits_to_keep=1, **{keyword: cache}).logits[:, -1]
-    if cache.get_seq_length() != input_ids.shape[1]:
-        import transformers
-        raise RuntimeError(f"sample: the model did not fill the KV cache (transformers "
-                           f"{transformers.__version__}; tested: 4.57 to 5.25)")
-    stop_ids = torch.tensor(stop_token_ids(model, tokenizer), device=input_ids.device)
-    return logits, cache, {keyword: cache}, stop_ids
-
-
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """EOS ids: the tokenizer's and the generation config's (Qwen: also <|im_end|>)."""
-    configured = getattr(model.generation_config, "eos_token_id", None)
-    configured = configured if isinstance(configured, (list, tuple)) else [configured]
-    return sorted({i for i in [tokenizer.eos_token_id, *configured] if i is not None})
-
-
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
-
-
-def _last_number(text: str) -> str | None:
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else None
-
-
-def _normalize(answer: str) -> str:
-    """'$1,234.50' -> '1234.5', '\\frac{3}{4}' -> '3/4', '-12 apples' -> '-12'; text lowercased."""
-    text = answer.strip().replace("\\!", "").replace("$", "").replace("\\%", "").replace("%", "")
-    text = re.sub(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", text)
-    text = re.sub(r"\\text\{([^{}]*)\}", r"\1", text).replace("−", "-")
-    fraction = re.fullmatch(r"\s*\(?(-?[\d,]*\.?\d+)\)?\s*/\s*\(?(\d+)\)?\s*", text)
-    if fraction:
-        number = fraction.group(1) + "/" + fraction.group(2)
-    else:
-        number = _last_number(text) if re.search(r"\d", text) else None
-    if number is None:
-        return re.sub(r"\s+", " ", text).strip().strip(".").lower()
-    number = number.replace(",", "").replace(" ", "")
-    value = _as_number(number)
-    if value is None:
-        return number
-    if value.denominator == 1:
-        return str(value.numerator)
-    if "/" in number:
-        return f"{value.numerator}/{value.denominator}"
-    return repr(float(value)).rstrip("0").rstrip(".")
-
-
-def _as_number(text: str) -> Fraction | None:
-    try:
-        return Fraction(text)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
 def load_problems(spec: str, split: str = "train") -> list[dict]:
     """[{"question", "gold"}] from a .jsonl file (an error names its line) or a hub data set."""
     if spec.endswith(".jsonl"):
@@ -948,6 +1003,7 @@ def load_problems(spec: str, split: str = "train") -> list[dict]:
         rows = [(f"{spec}:{number}", line) for number, line in lines if line.strip()]
     else:
         rows = _load_from_hub(spec, split)
+
     problems = []
     for where, row in rows:
         try:
@@ -960,6 +1016,7 @@ def load_problems(spec: str, split: str = "train") -> list[dict]:
         if gold is None:
             raise QurlError(f"{where}: the gold answer does not parse: {row['answer']!r:.80}")
         problems.append({"question": str(row["question"]), "gold": gold})
+
     if not problems:
         raise QurlError(f"{spec}: no problems found (empty data set)")
     return problems
@@ -973,7 +1030,8 @@ def _load_from_hub(name: str, split: str) -> list[tuple[str, dict]]:
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
-        table = datasets.load_dataset(name, "main" if name.endswith("gsm8k") else None, split=split)
+        config = "main" if name.endswith("gsm8k") else None
+        table = datasets.load_dataset(name, config, split=split)
     except Exception as e:
         raise QurlError(f"cannot load hub data set '{name}' ({type(e).__name__}: "
                         f"{str(e).splitlines()[0]:.150}); a local .jsonl works offline") from None
@@ -981,8 +1039,8 @@ def _load_from_hub(name: str, split: str) -> list[tuple[str, dict]]:
 
 
 def resolve_device_dtype(dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
-    """CUDA when torch sees it (CUDA_VISIBLE_DEVICES= forces the CPU); auto: bf16 on CUDA."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """CUDA when torch sees it (CUDA_VISIBLE_DEVICES= for the CPU); auto: bf16 on CUDA."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if dtype == "auto":
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
         dtype = "bfloat16" if bf16 else "float32"
@@ -1067,14 +1125,14 @@ class RunState:
     scale: float  # invariant scaling's s
     step: int = 0  # the last step finished
     data_pos: int = 0  # problems consumed so far
-    first_eval: float | None = None  # the starting accuracy, and the latest
+    first_eval: float | None = None  # the starting accuracy; the latest
     last_eval: float | None = None
-    skipped: int = 0  # updates skipped for a non-finite loss or gradient
+    skipped: int = 0  # updates skipped (non-finite loss or gradient)
     t_start: float = 0.0
 
 
 def start_run(args: Args) -> tuple[Learner, RunState]:
-    """Check model, data and folder, build the learner, only then write; evaluate the start."""
+    """Check model, data, folder; build the learner; only then write; evaluate the start."""
     device, dtype = resolve_device_dtype(args.dtype)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -1084,14 +1142,14 @@ def start_run(args: Args) -> tuple[Learner, RunState]:
     test_set = load_problems(args.test_data, "test")[:args.eval_size or None]
     check_prompt_lengths(actor, tokenizer, train_set + test_set, args.max_new_tokens)
     folder = run_dir(args)
-    scale = args.invariant_scale or (1.0 if args.quant == "none" else 1.5)
+
+    scale = args.invariant_scale  # default: 1 for --quant none, else 1.5
+    if scale is None:
+        scale = 1.0 if args.quant == "none" else 1.5
     if scale != 1.0:
         invariant_rescale(actor, scale)
-    ckpt = torch.load(folder / "ckpt.pt", weights_only=False) if args.resume else None
-    try:
-        actor.load_state_dict(ckpt["actor"]) if ckpt else None
-    except RuntimeError:
-        raise QurlError(f"--resume {folder}: the checkpoint is not of --model {args.model}")
+    ckpt = load_checkpoint(folder / "ckpt.pt", actor) if args.resume else None
+
     optimizer = torch.optim.AdamW(actor.parameters(), args.lr, (0.9, 0.99), weight_decay=0.0)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     learner = Learner(actor, optimizer, make_sampler(actor, args.quant, dtype), tokenizer,
@@ -1100,18 +1158,36 @@ def start_run(args: Args) -> tuple[Learner, RunState]:
     run = RunState(folder, train_set, test_set, order.tolist(), scale)
     if ckpt:
         resume_from(learner, run, ckpt)
+        notice(f"resuming from {folder / 'ckpt.pt'} (written after step {run.step}): step "
+               f"{run.step + 1} of {args.steps} is next")
     else:
         try:
             folder.mkdir(parents=True)
             (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
         except OSError as e:
             raise QurlError(f"cannot write to {folder} ({e.strerror}); choose another --out-dir")
+
     run.t_start = time.time()
     if not ckpt:
         run.first_eval = run_eval(learner, args, test_set)
         notice(f"step 0: eval/acc {run.first_eval:.3f} on {len(test_set)} held-out problems")
     run.last_eval = run.first_eval
     return learner, run
+
+
+def load_checkpoint(path: Path, actor: nn.Module) -> dict:
+    """ckpt.pt as data (weights_only: a pickle from elsewhere runs no code), the actor loaded from
+    it; or one line why not."""
+    try:
+        ckpt = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 (the zip reader's, the unpickler's)
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0]:.120}"
+        raise QurlError(f"{path} is not a readable checkpoint ({reason})") from None
+    try:
+        actor.load_state_dict(ckpt["actor"])
+    except RuntimeError:
+        raise QurlError(f"{path} is not a checkpoint of this --model") from None
+    return ckpt
 
 
 def run_eval(learner: Learner, args: Args, problems: list[dict]) -> float:
@@ -1136,10 +1212,12 @@ def evaluate(model, tokenizer, problems: list[dict], max_new_tokens=32, batch_si
 
 @contextlib.contextmanager
 def open_log(run: RunState, args: Args):
-    """A function that logs a step: a metrics.jsonl row, and a progress line."""
+    """A function logging a step: a metrics.jsonl row, a progress line."""
     with open(run.dir / "metrics.jsonl", "a") as file:
         def log(metrics: dict) -> None:
             run.skipped += metrics["guard/skipped"]
+            if metrics["guard/skipped"]:
+                notice(f"step {run.step}: non-finite loss or gradient, update skipped")
             row = {key: metrics.get(key) for key in METRIC_KEYS} | {"guard/skipped": run.skipped}
             file.write(json.dumps(row) + "\n")
             file.flush()
@@ -1194,159 +1272,7 @@ def finish_run(learner: Learner, run: RunState, args: Args) -> dict:
     return summary
 
 
-# ==================== APPENDIX B: a compiled decode (--compile), for speed alone
-DECODERS = weakref.WeakKeyDictionary()  # sampler -> {shape: StaticDecoder, or None: not compiled}
-
-
-@torch.no_grad()
-def compiled_sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64,
-                    temperature: float = 1.0, generator: torch.Generator | None = None) -> Rollout:
-    """`sample` with a static KV cache and a compiled step (a CUDA graph on a GPU): the same tokens
-    and log-probs up to float sums at a few launches a token, not ~1,000. What does not compile
-    is decoded by `sample`, said once."""
-    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
-                        padding_side="left", pad_to_multiple_of=64).to(model.device)  # few shapes
-    input_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]
-    decoders = DECODERS.setdefault(model, {})
-    shape = (len(prompts) * n, input_ids.shape[1], max_new_tokens, temperature)
-    try:
-        if None not in decoders.values():
-            decoders[shape] = decoders.get(shape) or StaticDecoder(model, *shape)
-            return decoders[shape].run(tokenizer, input_ids, prompt_mask, n, generator)
-    except Exception as e:  # noqa: BLE001
-        decoders[shape] = None
-        fmt = next((m.fmt for m in model.modules() if isinstance(m, QuantLinear)), model.dtype)
-        warnings.warn(f"--compile: the {fmt} sampler does not compile here ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0]:.100}); decoding eagerly")
-    return sample(model, tokenizer, prompts, n, max_new_tokens, temperature, generator)
-
-
-class StaticDecoder:
-    """A decode loop in static buffers: one decoder layer compiled, run for every layer; on a GPU
-    a step captured as a CUDA graph. The weights are read in place."""
-
-    def __init__(self, model, rows, width, max_new_tokens, temperature):
-        import torch._inductor.config
-        torch._inductor.config.emulate_precision_casts = True  # bf16 rounding exactly as eager
-        device, long = next(model.parameters()).device, torch.long
-        self.model, self.width, self.temperature, self.cache, self.graph = (
-            model, width, temperature, None, None)
-        self.keys = torch.arange(width + max_new_tokens, device=device)
-        self.valid = torch.ones(rows, len(self.keys), dtype=torch.bool, device=device)
-        self.token, self.position, self.end = torch.zeros(3, rows, dtype=long, device=device)
-        self.column = torch.zeros(1, dtype=long, device=device)  # the last token's column
-        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.tokens = torch.zeros(rows, max_new_tokens, dtype=long, device=device)
-        self.logp = torch.zeros(rows, max_new_tokens, device=device)
-        self.noise = torch.ones(rows, model.config.vocab_size, device=device)
-        angles = model.model.rotary_emb(model.model.embed_tokens.weight, self.keys[None])
-        self.cos, self.sin = (t[0] for t in angles)  # eager, once: compiled cos/sin round apart
-        self.inputs, self.layer, self.head = (
-            torch.compile(f, dynamic=False) for f in (self.embed, _layer, self.unembed))
-
-    def run(self, tokenizer, input_ids, prompt_mask, n, generator) -> Rollout:
-        """`_prefill` into the static cache, then the steps (a host sync every 16)."""
-        logits, cache, _, stop_ids = _prefill(self.model, tokenizer, input_ids, prompt_mask)
-        cache.batch_repeat_interleave(n)
-        if self.cache is None:  # K, V as attention reads them (not autocast's fp32 K)
-            device = logits.device.type
-            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-            self.cache = [t.new_zeros(len(cache.layers), len(self.valid), t.shape[1],
-                                      self.valid.shape[1], t.shape[3], dtype=dtype or t.dtype)
-                          for t in (cache.layers[0].keys, cache.layers[0].values)]
-            self.pad, self.stop_ids = tokenizer.pad_token_id, stop_ids
-            self.column.fill_(self.width - 1)
-            if logits.is_cuda:  # compile (two steps on a side stream, whose writes are rewritten
-                stream = torch.cuda.Stream()  # before they are read), then capture one step
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    self.step()
-                    self.step()
-                torch.cuda.current_stream().wait_stream(stream)
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
-                    self.step()
-        for i, layer in enumerate(cache.layers):
-            self.cache[0][i, :, :, :self.width] = layer.keys
-            self.cache[1][i, :, :, :self.width] = layer.values
-        self.valid[:, :self.width] = prompt_mask.repeat_interleave(n, 0).bool()
-        self.position.copy_(prompt_mask.sum(-1).repeat_interleave(n, 0) - 1)
-        self.column.fill_(self.width - 1)
-        self.end.fill_(self.tokens.shape[1])
-        self.done.zero_()
-        steps = self.tokens.shape[1]
-        for t in range(steps):
-            if t and t % 16 == 0 and bool(self.done.all()):
-                steps = t
-                break
-            if self.temperature:
-                self.noise.exponential_(generator=generator)
-            if t == 0:
-                self.next(logits.repeat_interleave(n, 0))
-            elif self.graph is not None:
-                self.graph.replay()
-            else:
-                self.step()
-        return _finish(tokenizer, input_ids, prompt_mask, n, self.tokens[:, :steps].clone(),
-                       self.logp[:, :steps].clone(), self.end.clone())
-
-    def step(self):
-        """The last tokens through every layer, then the next ones: three compiled functions."""
-        x, cos, sin, mask = self.inputs()
-        for i, layer in enumerate(self.model.model.layers):
-            x = self.layer(layer, x, cos, sin, *(c[i] for c in self.cache), self.column, mask)
-        self.head(x)
-
-    def embed(self):
-        mask = (self.valid & (self.keys <= self.column))[:, None, None, :]
-        cos, sin = self.cos[self.position, None], self.sin[self.position, None]
-        return self.model.model.embed_tokens(self.token[:, None]), cos, sin, mask
-
-    def unembed(self, x):
-        self.next(self.model.lm_head(self.model.model.norm(x))[:, -1])
-
-    def next(self, logits):
-        """Each row's next token and log-prob, into the outputs."""
-        token, logp = _pick(logits, self.temperature, self.noise)
-        t = self.column - self.width + 1  # the output column of the token drawn
-        token = torch.where(self.done, self.pad, token)
-        self.tokens.index_copy_(1, t, token[:, None])
-        self.logp.index_copy_(1, t, logp[:, None])
-        finished = torch.isin(token, self.stop_ids) & ~self.done
-        self.end.copy_(torch.where(finished, t, self.end))
-        self.done.logical_or_(finished)
-        self.token.copy_(token)
-        self.position.add_(1)
-        self.column.add_(1)
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary position embedding of (B, H, T, D) heads (HF's convention)."""
-    half = x.shape[-1] // 2
-    return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), -1) * sin[:, None]
-
-
-def _layer(layer, x, cos, sin, k_cache, v_cache, columns, mask):
-    """A decoder layer over new tokens: their K, V into the cache at `columns`, attention over the
-    cache with each K/V head's query heads packed as rows of one attention (grouped-query
-    attention without repeating K/V, which would copy the cache at every step)."""
-    attention, (B, T, _), D = layer.self_attn, x.shape, k_cache.shape[-1]
-    h = layer.input_layernorm(x)
-    q, k, v = (proj(h).view(B, T, -1, D).transpose(1, 2)
-               for proj in (attention.q_proj, attention.k_proj, attention.v_proj))
-    if hasattr(attention, "q_norm"):  # Qwen3
-        q, k = attention.q_norm(q), attention.k_norm(k)
-    k_cache.index_copy_(2, columns, _rope(k, cos, sin))
-    v_cache.index_copy_(2, columns, v)
-    groups = q.shape[1] // k_cache.shape[1]  # (B, H, T, D) -> (B, H_kv, groups T, D)
-    q = _rope(q, cos, sin).reshape(B, k_cache.shape[1], groups * T, D)
-    out = F.scaled_dot_product_attention(q, k_cache, v_cache, mask.repeat(1, 1, groups, 1),
-                                         scale=attention.scaling)
-    x = x + attention.o_proj(out.view(B, -1, T, D).transpose(1, 2).reshape(B, T, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
-
-
-STOP: set = set()  # the signals received
+STOP: set = set()  # signals received
 
 
 @contextlib.contextmanager
@@ -1377,6 +1303,179 @@ def main(argv=None) -> None:
         train(args)
     except QurlError as e:
         _die(str(e))
+
+
+# ==================== APPENDIX B: a compiled decode (--compile), for speed alone
+DECODERS = weakref.WeakKeyDictionary()  # sampler -> {shape: StaticDecoder, or None: not compiled}
+
+
+@torch.no_grad()
+def compiled_sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64,
+                    temperature: float = 1.0, generator: torch.Generator | None = None) -> Rollout:
+    """`sample` with a static KV cache and a compiled step (a CUDA graph on a GPU): its tokens and
+    log-probs up to float sums, at a few launches a token, not ~1,000. What does not compile is
+    decoded by `sample`, said once."""
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
+                        padding_side="left", pad_to_multiple_of=64).to(model.device)  # few shapes
+    input_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]  # (b, P)
+
+    decoders = DECODERS.setdefault(model, {})
+    shape = (len(prompts) * n, input_ids.shape[1], max_new_tokens, temperature)
+    try:
+        if None not in decoders.values():
+            if shape not in decoders:
+                decoders[shape] = StaticDecoder(model, *shape)
+            return decoders[shape].run(tokenizer, input_ids, prompt_mask, n, generator)
+    except Exception as e:  # noqa: BLE001
+        decoders[shape] = None
+        fmt = next((m.fmt for m in model.modules() if isinstance(m, QuantLinear)), model.dtype)
+        warnings.warn(f"--compile: the {fmt} sampler does not compile here ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0]:.100}); decoding eagerly")
+    return sample(model, tokenizer, prompts, n, max_new_tokens, temperature, generator)
+
+
+class StaticDecoder:
+    """A decode loop in static buffers (B rows, C = P + R cache columns): one decoder layer
+    compiled, run for every layer; on a GPU a step captured as a CUDA graph. The weights are read
+    in place."""
+
+    def __init__(self, model, rows, width, max_new_tokens, temperature):
+        import torch._inductor.config
+        torch._inductor.config.emulate_precision_casts = True  # bf16 rounding exactly as eager
+        device, long = next(model.parameters()).device, torch.long
+        self.model, self.width, self.temperature = model, width, temperature
+        self.cache, self.graph = None, None  # K, V: (layers, B, H_kv, C, D) each
+        self.cache_columns = torch.arange(width + max_new_tokens, device=device)  # (C,)
+        self.valid = torch.ones(rows, len(self.cache_columns), dtype=torch.bool, device=device)
+        self.token = torch.zeros(rows, dtype=long, device=device)  # (B,): the last token drawn
+        self.position = torch.zeros(rows, dtype=long, device=device)  # (B,): its RoPE position
+        self.column = torch.zeros(1, dtype=long, device=device)  # its cache column
+        self.end = torch.zeros(rows, dtype=long, device=device)  # (B,): the first EOS's index
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)  # (B,)
+        self.tokens = torch.zeros(rows, max_new_tokens, dtype=long, device=device)  # (B, R)
+        self.logp = torch.zeros(rows, max_new_tokens, device=device)  # (B, R)
+        self.noise = torch.ones(rows, model.config.vocab_size, device=device)  # (B, V)
+
+        angles = model.model.rotary_emb(model.model.embed_tokens.weight, self.cache_columns[None])
+        self.cos, self.sin = (t[0] for t in angles)  # (C, D), eager: compiled ones round apart
+        self.embed = torch.compile(self.embed, dynamic=False)
+        self.decoder_layer = torch.compile(decoder_layer, dynamic=False)
+        self.unembed = torch.compile(self.unembed, dynamic=False)
+
+    def run(self, tokenizer, input_ids, prompt_mask, n, generator) -> Rollout:
+        """`_prefill` into the static cache, then the steps (a host sync every SYNC_EVERY)."""
+        logits, cache, _, stop_ids = _prefill(self.model, tokenizer, input_ids, prompt_mask)
+        cache.batch_repeat_interleave(n)
+        if self.cache is None:
+            self.pad, self.stop_ids = tokenizer.pad_token_id, stop_ids
+            self.allocate(cache, logits.device)
+        for i, layer in enumerate(cache.layers):
+            self.cache[0][i, :, :, :self.width] = layer.keys
+            self.cache[1][i, :, :, :self.width] = layer.values
+        self.valid[:, :self.width] = prompt_mask.repeat_interleave(n, 0).bool()
+        self.position.copy_(prompt_mask.sum(-1).repeat_interleave(n, 0) - 1)
+        self.column.fill_(self.width - 1)
+        self.end.fill_(self.tokens.shape[1])
+        self.done.zero_()
+
+        steps = self.tokens.shape[1]
+        for t in range(steps):
+            if t and t % SYNC_EVERY == 0 and bool(self.done.all()):
+                steps = t
+                break
+            if self.temperature:
+                self.noise.exponential_(generator=generator)
+            if t == 0:  # the prefill's logits
+                self.record(logits.repeat_interleave(n, 0))
+            elif self.graph is not None:
+                self.graph.replay()
+            else:
+                self.step()
+        return _finish(tokenizer, input_ids, prompt_mask, n, self.tokens[:, :steps].clone(),
+                       self.logp[:, :steps].clone(), self.end.clone())
+
+    def allocate(self, cache, device: torch.device):
+        """K, V in the dtype attention reads (not autocast's fp32 K); on a GPU, compile (two steps
+        on a side stream: their writes are rewritten before read) and capture a step."""
+        dtype = None
+        if torch.is_autocast_enabled(device.type):
+            dtype = torch.get_autocast_dtype(device.type)
+        self.cache = []
+        layers, (rows, columns) = len(cache.layers), self.valid.shape
+        for t in (cache.layers[0].keys, cache.layers[0].values):
+            shape = (layers, rows, t.shape[1], columns, t.shape[3])
+            self.cache.append(t.new_zeros(shape, dtype=dtype or t.dtype))
+        self.column.fill_(self.width - 1)
+        if device.type != "cuda":
+            return
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.step()
+            self.step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step()
+
+    def step(self):
+        """The last tokens through every layer, then the next ones: three compiled functions."""
+        x, cos, sin, mask = self.embed()
+        for i, layer in enumerate(self.model.model.layers):
+            k_cache, v_cache = self.cache[0][i], self.cache[1][i]
+            x = self.decoder_layer(layer, x, cos, sin, k_cache, v_cache, self.column, mask)
+        self.unembed(x)
+
+    def embed(self):
+        """The last tokens' (B, 1, hidden) embeddings, RoPE angles, (B, 1, 1, C) attention mask."""
+        mask = (self.valid & (self.cache_columns <= self.column))[:, None, None, :]
+        cos, sin = self.cos[self.position, None], self.sin[self.position, None]
+        return self.model.model.embed_tokens(self.token[:, None]), cos, sin, mask
+
+    def unembed(self, x):
+        self.record(self.model.lm_head(self.model.model.norm(x))[:, -1])  # (B, V)
+
+    def record(self, logits):
+        """Each row's next token and log-prob into the outputs (`sample`'s loop body)."""
+        token, logp = _pick(logits, self.temperature, self.noise)
+        t = self.column - self.width + 1  # the output column of the token drawn
+        token = torch.where(self.done, self.pad, token)
+        self.tokens.index_copy_(1, t, token[:, None])
+        self.logp.index_copy_(1, t, logp[:, None])
+        finished = torch.isin(token, self.stop_ids) & ~self.done
+        self.end.copy_(torch.where(finished, t, self.end))
+        self.done.logical_or_(finished)
+        self.token.copy_(token)
+        self.position.add_(1)
+        self.column.add_(1)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary position embedding of (B, H, S, D) heads (HF's convention)."""
+    mid = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat((-x[..., mid:], x[..., :mid]), -1) * sin[:, None]
+
+
+def decoder_layer(layer, x, cos, sin, k_cache, v_cache, column, mask):
+    """A decoder layer over (B, S, hidden) new tokens: K, V into the (B, H_kv, C, D) caches at
+    `column`; each K/V head's query heads packed as rows of one attention (repeating K/V for
+    grouped-query attention would copy the cache every step)."""
+    attention, (B, S, _), D = layer.self_attn, x.shape, k_cache.shape[-1]
+    h = layer.input_layernorm(x)
+    q, k, v = (proj(h).view(B, S, -1, D).transpose(1, 2)  # (B, H or H_kv, S, D)
+               for proj in (attention.q_proj, attention.k_proj, attention.v_proj))
+    if hasattr(attention, "q_norm"):  # Qwen3
+        q, k = attention.q_norm(q), attention.k_norm(k)
+    k_cache.index_copy_(2, column, _rope(k, cos, sin))
+    v_cache.index_copy_(2, column, v)
+
+    groups = q.shape[1] // k_cache.shape[1]  # (B, H, S, D) -> (B, H_kv, groups S, D)
+    q = _rope(q, cos, sin).reshape(B, k_cache.shape[1], groups * S, D)
+    out = F.scaled_dot_product_attention(q, k_cache, v_cache, mask.repeat(1, 1, groups, 1),
+                                         scale=attention.scaling)
+    x = x + attention.o_proj(out.view(B, -1, S, D).transpose(1, 2).reshape(B, S, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -130,6 +131,7 @@ REWARD_CASES = [
 
 @pytest.mark.parametrize("completion,gold,expected", REWARD_CASES)
 def test_reward(completion, gold, expected):
+    """`reward` through `extract_answer`'s three tiers, `_normalize` and `_last_number`."""
     assert qurl.reward(completion, gold) == expected
 
 
@@ -311,6 +313,7 @@ def _rel_err(y, ref):
 # it.
 @pytest.mark.parametrize("fmt,bound,floor", [("fp8", 0.05, 0.005), ("int8", 0.03, 0.002)])
 def test_quantlinear_vs_fp32(fmt, bound, floor):
+    """`QuantLinear` (through `fp8_matmul`, `int8_matmul`) against a plain fp32 linear."""
     lin, x = _realistic_linear()
     ref = lin(x)
     q = qurl.QuantLinear(lin, fmt)
@@ -326,7 +329,7 @@ def _fp8(lin, kernel):
     return q
 
 
-def test_fp8_scaled_mm_and_emulation_agree():
+def test_fp8_matmul_scaled_mm_and_emulation_agree():
     lin, x = _realistic_linear()
     a, b = _fp8(lin, "scaled_mm"), qurl.QuantLinear(lin, "fp8")
     assert b.kernel == "emulate"  # the CPU's choice: the faster one here
@@ -340,7 +343,24 @@ def test_fp8_scaled_mm_and_emulation_agree():
     torch.testing.assert_close(c(x), _fp8(lin, "scaled_mm")(x), rtol=1e-5, atol=1e-6)
 
 
-def test_quantize_fp8_clamps_and_scales():
+@CUDA
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_cuda_quantlinear_matches_cpu_reference(fmt):
+    lin, x = _realistic_linear()
+    ref = qurl.QuantLinear(lin, fmt)(x)                      # CPU, fp32: the reference math
+    lin_c = torch.nn.Linear(lin.in_features, lin.out_features).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        lin_c.weight.copy_(lin.weight)
+        lin_c.bias.copy_(lin.bias)
+    q = qurl.QuantLinear(lin_c, fmt)
+    y = q(x.cuda().to(torch.bfloat16)).float().cpu()
+    if fmt == "fp8" and torch.cuda.get_device_capability() >= (8, 9):
+        assert q.kernel == "scaled_mm"  # chosen, and not refused at the call
+    # bf16 weights and inputs (8 mantissa bits) and a bf16 output: about 0.5 % relative, bound 2 %
+    assert _rel_err(y, ref) < 0.02
+
+
+def test_quantize_fp8_and_quantize_int8_by_hand():
     w = torch.tensor([[1000.0, -2.0, 0.5], [0.0, 0.0, 0.0]])
     w8, s = qurl.quantize_fp8(w)
     assert w8.dtype == torch.float8_e4m3fn and torch.isfinite(w8.float()).all()
@@ -348,12 +368,16 @@ def test_quantize_fp8_clamps_and_scales():
         math.isclose(s[0].item(), 1000.0 / 448, rel_tol=1e-6) and w8[0, 0].float().item() == 448.0
     )
     assert (w8[1].float() == 0).all()
+    # LLM.int8: code = round(127 x / absmax) per row
+    codes, absmax = qurl.quantize_int8(torch.tensor([[254.0, -1.0, 100.0], [0.5, 0.25, -0.125]]))
+    assert codes.tolist() == [[127, 0, 50], [127, 64, -32]] and absmax.tolist() == [254.0, 0.5]
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
-def test_quantized_tiny_model_close(tiny, problems, fmt):
+def test_quantized_copy_of_the_tiny_model_is_close(tiny, problems, fmt):
+    """`quantized_copy` swaps exactly the `decoder_linears`, and stays close to the actor."""
     model, tok = tiny
-    q = qurl.quantize_actor(model, fmt)
+    q = qurl.quantized_copy(model, fmt)
     # 7 linears x 2 layers; lm_head stays
     assert sum(isinstance(m, qurl.QuantLinear) for m in q.modules()) == 14
     enc = tok(
@@ -398,7 +422,7 @@ def _ref_nf4(w):
 def test_nf4_equals_bitsandbytes_per_layer(tiny, problems):
     import bitsandbytes.functional as bnbF
     model, tok = tiny
-    q = qurl.quantize_actor(model, "nf4")
+    q = qurl.quantized_copy(model, "nf4")
     fp = dict(model.named_modules())
     qls = [(n, m) for n, m in q.named_modules() if isinstance(m, qurl.QuantLinear)]
     assert len(qls) == 14 and all(m.fmt == "nf4" for _, m in qls)
@@ -420,6 +444,21 @@ def test_nf4_equals_bitsandbytes_per_layer(tiny, problems):
     codes, n = quant_bytes(q)
     # half a byte per weight plus one fp32 absmax per block of 64
     assert codes == n // 2 + n // 64 * 4
+
+
+@CUDA
+@pytest.mark.parametrize("autocast", [False, True])
+def test_cuda_nf4_dequantizes_into_the_compute_dtype(autocast):
+    """On CUDA bitsandbytes dequantizes NF4 per call, straight into the compute dtype: bf16 out,
+    with and without autocast, equal to the CPU layer (fp32 dequantized weights) to bf16
+    rounding."""
+    lin, x = _realistic_linear()
+    ref = qurl.QuantLinear(lin, "nf4")(x)
+    q = qurl.QuantLinear(lin.cuda(), "nf4")
+    x_c = x.cuda() if autocast else x.cuda().to(torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        y = q(x_c)
+    assert y.dtype == torch.bfloat16 and _rel_err(y.float().cpu(), ref) < 0.02
 
 
 def test_nf4_flip_rate_counts_codes_not_values():
@@ -451,12 +490,12 @@ def _adam_step(model, lr, seed=0):
 def test_sync_weights_flip_rate(tiny, fmt):
     import copy
     model = copy.deepcopy(tiny[0])
-    q = qurl.quantize_actor(model, fmt)
+    q = qurl.quantized_copy(model, fmt)
     assert qurl.sync_weights(q, model) == 0.0
     _adam_step(model, 1e-3)
     flip = qurl.sync_weights(q, model)
     assert 0 < flip < 1
-    fresh = qurl.quantize_actor(model, fmt)
+    fresh = qurl.quantized_copy(model, fmt)
     for (n1, b1), (n2, b2) in zip(q.state_dict().items(), fresh.state_dict().items()):
         assert n1 == n2 and torch.equal(
             b1.view(torch.uint8) if b1.dtype == torch.float8_e4m3fn else b1,
@@ -465,7 +504,7 @@ def test_sync_weights_flip_rate(tiny, fmt):
     assert qurl.sync_weights(q, model) == 0.0
 
 
-def test_invariant_scale_preserves_function_and_raises_flip_rate(tiny, problems):
+def test_invariant_rescale_preserves_function_and_raises_flip_rate(tiny, problems):
     import copy
     model, tok = tiny
     enc = tok(
@@ -481,19 +520,19 @@ def test_invariant_scale_preserves_function_and_raises_flip_rate(tiny, problems)
         ref, out = model(**enc).logits, scaled(**enc).logits
         assert _rel_err(out, ref) <= 1e-5
         q_ref, q_out = (
-            qurl.quantize_actor(model, "fp8")(**enc).logits,
-            qurl.quantize_actor(scaled, "fp8")(**enc).logits,
+            qurl.quantized_copy(model, "fp8")(**enc).logits,
+            qurl.quantized_copy(scaled, "fp8")(**enc).logits,
         )
         assert _rel_err(q_out, q_ref) < 2e-3  # same codes; only rounding of W/s and s*x differs
     flips = []
     for m in (copy.deepcopy(model), scaled):
-        q = qurl.quantize_actor(m, "fp8")
+        q = qurl.quantized_copy(m, "fp8")
         _adam_step(m, 1e-5)
         flips.append(qurl.sync_weights(q, m))
     assert flips[1] > 1.2 * flips[0] > 0, flips
 
 
-def test_invariant_scale_refuses_unknown_layers():
+def test_invariant_rescale_refuses_unknown_layers():
     from transformers import GPT2Config, GPT2LMHeadModel
     m = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     with pytest.raises(qurl.QurlError, match="invariant-scale 1"):
@@ -513,7 +552,7 @@ def _ref_fake_quant(x, fmt):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
-def test_aligned_linear_value_is_the_samplers_kernel(fmt, dtype):
+def test_aligned_linear_value_is_the_samplers_kernel_gradient_fake_quant(fmt, dtype):
     lin, x = _realistic_linear()
     q = qurl.QuantLinear(lin, fmt)
     x = x.requires_grad_(True)
@@ -533,7 +572,7 @@ def test_aligned_linear_value_is_the_samplers_kernel(fmt, dtype):
     assert _rel_err(lin.weight.grad.double(), gw) < tol and _rel_err(x.grad.double(), gx) < tol
 
 
-def test_int8_massive_activations_stay_finite():
+def test_int8_matmul_and_int8_shift_keep_massive_activations_finite():
     """Real checkpoints carry activations of 1e4-1e5 in a few channels; bitsandbytes takes fp16
     (max 65504)."""
     lin, x = _realistic_linear()
@@ -567,14 +606,14 @@ def test_int8_aligned_forward_survives_massive_activations():
 
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("fmt", ["none", "fp8", "int8", "nf4"])
-def test_every_rollout_precision_samples_in_bf16(tiny, problems, fmt, autocast):
+def test_sample_in_bf16_with_every_quantized_copy(tiny, problems, fmt, autocast):
     """The sampler's actor in bf16: a bf16 model (no autocast, as --bench-quant ran it) or fp32
     masters under bf16 autocast (training). Its log-probs agree with the fp32 actor's teacher
     forcing to quantization noise."""
     import copy
     model, tok = tiny
     base = copy.deepcopy(model) if autocast else copy.deepcopy(model).to(torch.bfloat16)
-    actor = base if fmt == "none" else qurl.quantize_actor(base, fmt)
+    actor = base if fmt == "none" else qurl.quantized_copy(base, fmt)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         ro = qurl.sample(actor, tok, _mixed_prompts(tok, problems), n=2, max_new_tokens=16,
                          generator=torch.Generator().manual_seed(0))
@@ -586,13 +625,13 @@ def test_every_rollout_precision_samples_in_bf16(tiny, problems, fmt, autocast):
 
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "nf4"])
-def test_aligned_forward_matches_quantized_actor(tiny, problems, fmt, autocast):
+def test_rollout_aligned_forward_matches_the_sampler(tiny, problems, fmt, autocast):
     """The rollout actor and the aligned fp actor agree bit for bit, in fp32 and under bf16
     autocast (the actor's full-precision parts run under the same autocast as the learner)."""
     import copy
     model, tok = tiny
     model = copy.deepcopy(model)
-    q = qurl.quantize_actor(model, fmt)
+    q = qurl.quantized_copy(model, fmt)
     enc = tok(
         [qurl.format_prompt(p["question"], tok) for p in problems[:8]],
         return_tensors="pt",
@@ -614,6 +653,54 @@ def test_aligned_forward_matches_quantized_actor(tiny, problems, fmt, autocast):
         torch.testing.assert_close(model(**enc).logits, lf)
 
 
+def test_make_sampler_lm_head_in_the_compute_dtype_is_exact(tiny, problems):
+    """The quantized sampler holds lm_head in the compute dtype (cast once per sync): under bf16
+    autocast its log-probs equal bit for bit those of an fp32 lm_head cast at every step."""
+    import copy
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    fast, plain = qurl.make_sampler(model, "fp8", torch.bfloat16), qurl.quantized_copy(model, "fp8")
+    assert fast.lm_head.weight.dtype == torch.bfloat16
+    assert fast.model.embed_tokens.weight.dtype == torch.float32
+    assert plain.lm_head.weight is plain.model.embed_tokens.weight  # the tiny model ties them
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.01)  # a sync reaches the untied head
+    qurl.sync_weights(fast, model)
+    qurl.sync_weights(plain, model)
+    with qurl.autocast(torch.device("cpu"), torch.bfloat16):
+        a, b = (qurl.sample(s, tok, _mixed_prompts(tok, problems, 8), 2, 16, 1.0,
+                            torch.Generator().manual_seed(0)) for s in (fast, plain))
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.logp_behav, b.logp_behav)
+
+
+def test_precision_ladder_mismatch_and_flips_under_rollout_autocast(tiny, problems):
+    """--quant none is the actor itself; bf16 and fp16 are half copies refreshed in place. Their
+    mismatch to the fp32 actor's teacher forcing orders as their mantissas do (fp16 has 10 bits,
+    bf16 7), and the flip rate counts the half-precision values a sync changes."""
+    import copy
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    assert qurl.make_sampler(model, "none", torch.bfloat16) is model
+    kl = {}
+    for quant in ("none", "fp16", "bf16"):
+        sampler = qurl.make_sampler(model, quant, torch.float32)
+        ro = qurl.sample(sampler, tok, _mixed_prompts(tok, problems, 16), 4, 24, 1.0,
+                         torch.Generator().manual_seed(0))
+        lp = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask)
+        kl[quant] = float(qurl.masked_mean(qurl.k3(lp.detach() - ro.logp_behav), ro.response_mask))
+    assert kl["none"] < 1e-8 < kl["fp16"] < kl["bf16"] / 4 < 1e-3, kl
+    sampler = qurl.make_sampler(model, "bf16", torch.float32)
+    up_half = dict(sampler.named_parameters())["model.layers.0.mlp.up_proj.weight"]
+    assert up_half.dtype == torch.bfloat16
+    assert sampler.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert qurl.sync_weights(sampler, model) == 0.0
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.01)  # 1 % moves most bf16 values
+    flip = qurl.sync_weights(sampler, model)
+    n_lin = sum(m.weight.numel() for _, m in qurl.decoder_linears(model))
+    up = model.model.layers[0].mlp.up_proj.weight
+    assert 0.5 * up.numel() / n_lin < flip <= up.numel() / n_lin
+    assert torch.equal(up_half, up.to(torch.bfloat16))  # refreshed in place
+
+
 # ==================================================================================================
 # The method, 3 and 4: rollout and log-probs (against teacher-forced log-probs and model.generate)
 # ==================================================================================================
@@ -625,7 +712,7 @@ def _mixed_prompts(tok, problems, k=6):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logp_behav_equals_teacher_forced(tiny, problems, temperature):
+def test_sample_logp_behav_equals_token_logprobs(tiny, problems, temperature):
     model, tok = tiny
     prompts = _mixed_prompts(tok, problems)
     ro = qurl.sample(model, tok, prompts, n=4, max_new_tokens=32, temperature=temperature,
@@ -637,6 +724,19 @@ def test_logp_behav_equals_teacher_forced(tiny, problems, temperature):
     diff = ((lp - ro.logp_behav) * ro.response_mask).abs().max().item()
     assert diff < 1e-5, diff
     assert ro.response_mask.sum() > 100
+
+
+@CUDA
+def test_cuda_sample_logprobs_bf16(problems):
+    model, tok = qurl.load_model(TINY, "cuda", torch.bfloat16)
+    model.eval()
+    prompts = _mixed_prompts(tok, problems, 8)
+    ro = qurl.sample(model, tok, prompts, n=4, max_new_tokens=32, temperature=1.0,
+                     generator=torch.Generator(device="cuda").manual_seed(0))
+    lp = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask, 1.0)
+    diff = ((lp - ro.logp_behav) * ro.response_mask).abs()
+    # bf16 logits: cached decode and a full forward differ by a few bf16 ulps of the logits
+    assert diff.sum() / ro.response_mask.sum() < 0.02 and diff.max() < 0.25
 
 
 def test_greedy_matches_generate(tiny, problems):
@@ -652,7 +752,17 @@ def test_greedy_matches_generate(tiny, problems):
         assert ref[i, L - 1] == tok.eos_token_id or L == 32
 
 
-def test_sampler_compat_refuses_a_model_that_ignores_the_cache(tiny, problems):
+def test_stop_token_ids_join_the_tokenizers_and_the_generation_configs(tiny):
+    """Qwen's instruct models end a turn with <|im_end|>, which only generation_config lists."""
+    import copy
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    model.generation_config.eos_token_id = [7, tok.eos_token_id, 5]
+    assert qurl.stop_token_ids(model, tok) == sorted({5, 7, tok.eos_token_id})
+    model.generation_config.eos_token_id = None
+    assert qurl.stop_token_ids(model, tok) == [tok.eos_token_id]
+
+
+def test_prefill_refuses_a_model_that_ignores_the_cache(tiny, problems):
     """transformers releases before 5.24 ignore `cache=`, later ones may drop `past_key_values=`:
     a decode without its cache would be garbage with no error, so the sampler checks the cache
     after prefill and names the version."""
@@ -680,7 +790,7 @@ def test_sampler_compat_refuses_a_model_that_ignores_the_cache(tiny, problems):
         )
 
 
-def test_eos_mask_by_position(tiny, problems):
+def test_finish_masks_by_the_first_eos_position(tiny, problems):
     model, tok = tiny
     ro = qurl.sample(
         model,
@@ -719,6 +829,19 @@ def test_same_seed_same_samples(tiny, problems):
     )
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.logp_behav, b.logp_behav)
     assert a.input_ids.shape != c.input_ids.shape or not torch.equal(a.input_ids, c.input_ids)
+
+
+def test_pick_draws_what_multinomial_draws():
+    """_pick samples argmax(p / E), E ~ Exponential(1): torch.multinomial's own one-sample
+    algorithm, so the same generator state gives the same tokens, with no host sync."""
+    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(1)) * 3
+    for temperature in (1.0, 0.7):
+        probs = torch.softmax(logits / temperature, -1)
+        want = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(5)).squeeze(1)
+        noise = torch.empty_like(probs).exponential_(generator=torch.Generator().manual_seed(5))
+        token, logp = qurl._pick(logits, temperature, noise)
+        assert torch.equal(token, want)
+        torch.testing.assert_close(logp, probs.gather(1, want[:, None]).log().squeeze(1))
 
 
 def test_first_token_distribution(tiny):
@@ -764,10 +887,10 @@ def test_sample_pads_left_whatever_the_tokenizer_says(tiny, problems):
 # ==================================================================================================
 def test_group_advantages():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
-    adv, zero = qurl.group_advantages(r, 4)
+    adv, has_signal = qurl.group_advantages(r, 4)
     s = math.sqrt(1 / 3)  # unbiased std of (1, 0, 0, 1): sqrt(4 * 0.25 / 3)
     torch.testing.assert_close(adv[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (s + 1e-6))
-    assert adv[4:8].eq(0).all() and zero == 1
+    assert adv[4:8].eq(0).all() and has_signal.tolist() == [True] * 4 + [False] * 4 + [True] * 4
     # (0, 0, 0, 1): mean 0.25, unbiased variance (3 * 0.0625 + 0.5625) / 3
     m, sd = 0.25, math.sqrt(0.75 / 3)
     torch.testing.assert_close(adv[8:], torch.tensor([-m, -m, -m, 1 - m]) / (sd + 1e-6))
@@ -785,16 +908,21 @@ LP = [[-0.2, -1.2], [-1.5, -1.0]]
 ADV = [1.0, -1.0]
 
 
+# the losses' options as qurl.py's flags set them
+LOSS_OPTIONS = {name: getattr(qurl.Args(), name)
+                for name in ("eps_low", "eps_high", "is_cap", "tbpo_band")}
+
+
 def _loss(kind, lp=LP, prox=LP_PROX, behav=LP_BEHAV, adv=ADV, mask=None, **kw):
     t = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
     lp = t(lp).requires_grad_(True)
     mask = torch.ones_like(lp) if mask is None else t(mask)
-    loss, m = qurl.policy_loss(lp, t(prox), t(behav), t(adv), mask, kind, **kw)
+    loss, m = qurl.policy_loss(lp, t(prox), t(behav), t(adv), mask, kind, **LOSS_OPTIONS | kw)
     loss.backward()
     return loss.item(), lp.grad, m
 
 
-def test_tis_by_hand():
+def test_token_loss_tis_by_hand():
     e = math.exp
     # token (0,0): w = min(e^0.5, 2), R = e^0.3 > 1.28 and A > 0: clipped at 1.28
     # token (0,1): w = 1, R = e^-0.2 (unclipped), A = 1
@@ -810,7 +938,7 @@ def test_tis_by_hand():
     assert m["clip/high"] == 0.25 and m["clip/low"] == 0.25
 
 
-def test_naive_by_hand():
+def test_token_loss_naive_by_hand():
     e = math.exp
     # ratio = pi_theta / pi_behav: e^0.8 (clip 1.28), e^-0.2, e^-0.5 (A<0, clip 0.8), e^1 (A<0:
     # -min(-e, -1.28) = e)
@@ -822,7 +950,7 @@ def test_naive_by_hand():
     )
 
 
-def test_acr_widens_upper_bound_only_where_truncated():
+def test_token_loss_acr_widens_upper_bound_only_where_truncated():
     e = math.exp
     # one token: pi_prox / pi_behav = e > C = 2 (w truncated to 2), R = e^0.5 = 1.6487 > 1.28, A =
     # +1
@@ -836,7 +964,7 @@ def test_acr_widens_upper_bound_only_where_truncated():
     assert g.item() != 0
 
 
-def test_acr_equals_tis_within_cap():
+def test_token_loss_acr_equals_tis_within_cap():
     g = torch.Generator().manual_seed(0)
     behav = torch.randn(4, 6, generator=g, dtype=torch.float64) - 2
     # ratio <= 2
@@ -850,7 +978,8 @@ def test_acr_equals_tis_within_cap():
     assert a == t and torch.equal(ga, gt)
 
 
-def test_masked_tokens_leave_denominator():
+def test_masked_mean_masked_tokens_leave_the_loss_and_mismatch_metrics():
+    """Masked tokens leave `token_loss`'s denominator; `mismatch_metrics` by `k3` by hand."""
     e = math.exp
     loss, grad, _ = _loss("tis", mask=[[1.0, 0.0], [0.0, 1.0]])
     assert math.isclose(loss, (-e(0.5) * 1.28 + 2.0) / 2, rel_tol=1e-9)
@@ -871,7 +1000,7 @@ def test_masked_tokens_leave_denominator():
     )
 
 
-def test_tbpo_by_hand():
+def test_tbpo_loss_and_tbpo_ratio_by_hand():
     # seq 0: A=+1, s = 1 (in band), w = 1: l = 1, contributes -1
     # seq 1: A=-1, s = e^0.1 > 1 + 7e-4: out of the trust band, dropped from the loss and the
     # denominator
@@ -895,7 +1024,7 @@ def test_tbpo_by_hand():
     assert m["tbpo/kept"] == 0.75 and m["clip/high"] == 0.25 and m["clip/low"] == 0.0
 
 
-def test_tbpo_negative_band_zero_gradient_both_sides():
+def test_tbpo_loss_negative_band_zero_gradient_both_sides():
     for shift in (+0.5, -0.5):  # exploding or vanishing ratio of a negative-advantage sequence
         _, grad, _ = _loss(
             "tbpo",
@@ -1000,7 +1129,7 @@ def _oracle_cases():
 def test_policy_loss_matches_independent_oracle(kind, C):
     lp_tok, lp_seq, prox, behav, adv, mask = _oracle_cases()
     lp0 = lp_seq if kind == "tbpo" else lp_tok
-    kw = dict(loss=kind, is_cap=C)
+    kw = LOSS_OPTIONS | dict(kind=kind, is_cap=C)
     # old log-probs passed with requires_grad: no gradient may reach them
     for old_grad in (False, True):
         lp = lp0.clone().requires_grad_(True)
@@ -1025,7 +1154,7 @@ def test_on_policy_call_trains(kind):
     gradient."""
     lp_tok, _, _, _, adv, mask = _oracle_cases()
     lp = lp_tok.clone().requires_grad_(True)
-    loss, _ = qurl.policy_loss(lp, lp, lp, adv, mask, loss=kind)
+    loss, _ = qurl.policy_loss(lp, lp, lp, adv, mask, kind, **LOSS_OPTIONS)
     loss.backward()
     lo = lp_tok.clone().requires_grad_(True)
     _oracle(kind, lo, lp_tok, lp_tok, adv.tolist(), mask.tolist()).backward()
@@ -1067,7 +1196,7 @@ def _batch(rollout, adv):
 
 
 @pytest.mark.parametrize("loss", ["acr", "tbpo"])
-def test_gradient_accumulation_equals_single_pass(tiny, problems, loss):
+def test_backward_mini_batch_accumulation_equals_single_pass(tiny, problems, loss):
     """--micro-batch 3 gives the gradient of the whole mini-batch's loss (float64, to 1e-6), with
     TBPO's denominator counted over the mini-batch (sequences in band, above it, below it)."""
     import copy
@@ -1088,7 +1217,8 @@ def test_gradient_accumulation_equals_single_pass(tiny, problems, loss):
     got = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     model.zero_grad()
     lp = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, mask, micro_batch=16)
-    qurl.policy_loss(lp, prox, batch["logp_behav"], batch["adv"], mask, loss=loss)[0].backward()
+    qurl.policy_loss(lp, prox, batch["logp_behav"], batch["adv"], mask, loss,
+                     **LOSS_OPTIONS)[0].backward()
     want = [p.grad for p in model.parameters() if p.grad is not None]
     assert finite and len(got) == len(want) and sum(float(g.abs().sum()) for g in want) > 0
     # per tensor, relative to its norm: Qwen2's RMSNorm computes in float32 even in a float64
@@ -1119,7 +1249,8 @@ def test_update_returns_pi_prox_of_the_actor_before_its_first_step(tiny, problem
         assert (after - before).abs().max() > 0.01
 
 
-def test_bf16_updates_see_fresh_weights_after_each_optimizer_step(tiny, problems, monkeypatch):
+def test_bf16_autocast_updates_see_fresh_weights_after_each_optimizer_step(tiny, problems,
+                                                                           monkeypatch):
     """torch.autocast caches the bf16 copy of each weight until its block exits: with several
     mini-batches the forwards after the first optimizer step must see the updated weights, as a
     fresh forward of that model does."""
@@ -1172,6 +1303,7 @@ def test_mini_batches_split_exactly():
 
 
 def test_update_forwards_at_most_micro_batch_rows(tiny, problems):
+    """`update` forwards `select`ed rows by `batch_logprobs`, never more than --micro-batch."""
     import copy
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
     ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=8,
@@ -1188,11 +1320,66 @@ def test_update_forwards_at_most_micro_batch_rows(tiny, problems):
     assert max(seen) <= 5 and sum(seen) == 8 + 2 * 16
 
 
-def test_step_without_trainable_rows_logs_null_and_measures_the_sampler(tiny, problems,
+def test_update_steps_once_per_mini_batch_on_its_own_rows(tiny, problems):
+    """A `Learner` at --mini-batches 4 --ppo-epochs 2: eight optimizer steps, step k on the
+    clipped gradient of mini-batch k mod 4 alone (the optimizer changes nothing here, so each is
+    the on-policy gradient of its rows, computed independently by `policy_loss`)."""
+    import copy
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=8,
+                     generator=torch.Generator().manual_seed(0))
+    batch = _batch(ro, torch.linspace(-1.5, 1.5, 16))
+    optimizer = _CaptureGrads(model.parameters())
+    rl = qurl.Learner(model, optimizer, model, tok, torch.Generator(), torch.float32)
+    qurl.update(rl, qurl.Args(loss="tis", mini_batches=4, ppo_epochs=2, micro_batch=3), batch)
+    assert len(optimizer.grads) == 8
+    for k, grads in enumerate(optimizer.grads):
+        rows = slice(4 * (k % 4), 4 * (k % 4) + 4)
+        model.zero_grad()
+        lp = qurl.token_logprobs(model, ro.input_ids[rows], ro.attention_mask[rows],
+                                 ro.response_mask[rows])
+        qurl.policy_loss(lp, lp.detach(), batch["logp_behav"][rows], batch["adv"][rows],
+                         ro.response_mask[rows], "tis", **LOSS_OPTIONS)[0].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), qurl.MAX_GRAD_NORM)
+        want = [p.grad for p in model.parameters() if p.grad is not None]
+        for got, ref in zip(grads, want, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-7)
+
+
+def test_backward_mini_batch_tbpo_counts_its_band_only_after_a_step(tiny, problems):
+    """TBPO's denominator is the in-band count. Before any step (pi_prox None: the forward's own)
+    s = 1 for every sequence, so no counting forward is run and the count is the non-empty rows;
+    after a step pi_prox is given and a no-grad pass counts first. Both give the same gradient
+    when pi_prox equals the actor."""
+    import copy
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=8,
+                     generator=torch.Generator().manual_seed(0))
+    batch = _batch(ro, torch.linspace(-1.5, 1.5, 16))
+    rl = qurl.Learner(model, torch.optim.SGD(model.parameters()), model, tok, torch.Generator(),
+                      torch.float32)
+    args = qurl.Args(loss="tbpo", micro_batch=5)
+    seen = []
+    hook = model.register_forward_pre_hook(lambda mod, a, kw: seen.append(kw["input_ids"].shape[0]),
+                                           with_kwargs=True)
+    metrics, _, logp = qurl.backward_mini_batch(rl, args, batch, None)
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    assert seen == [5, 5, 5, 1]  # the training forwards alone
+    model.zero_grad()
+    seen.clear()
+    again, _, _ = qurl.backward_mini_batch(rl, args, batch, logp)
+    hook.remove()
+    assert seen == [5, 5, 5, 1] * 2  # the counting pass, then the training forwards
+    assert metrics == again and metrics["tbpo/kept"] == 1.0
+    for got, ref in zip(grads, [p.grad for p in model.parameters() if p.grad is not None]):
+        torch.testing.assert_close(got, ref)
+
+
+def test_train_step_without_trainable_rows_logs_null_and_measures_the_sampler(tiny, problems,
                                                                        monkeypatch):
     import copy
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
-    sampler = qurl.quantize_actor(model, "fp8")
+    sampler = qurl.quantized_copy(model, "fp8")
     rl = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-4), sampler, tok,
                       torch.Generator(), torch.float32)
     args = qurl.Args(quant="fp8", prompts_per_step=4, group_size=4, max_new_tokens=16)
@@ -1251,6 +1438,14 @@ def test_end_to_end(tmp_path, tiny, quant, loss, extra):
     if quant != "none":
         # synced before each rollout
         assert rows[0]["quant/flip_rate"] == 0.0 and rows[1]["quant/flip_rate"] > 0
+
+
+@CUDA
+@pytest.mark.parametrize("quant", ["fp8", "int8", "nf4", "none"])
+def test_cuda_two_step_rl(tmp_path, quant):
+    qurl.train(_small_args(tmp_path, run_name="c", quant=quant))
+    rows = [json.loads(l) for l in (tmp_path / "c/metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(v is None or math.isfinite(v) for r in rows for v in r.values())
 
 
 def test_bf16_keeps_small_updates_and_final_is_a_standard_checkpoint(tmp_path, tiny, problems):
@@ -1420,7 +1615,8 @@ def test_run_dir_rules(tmp_path, tiny):
     (tmp_path / "other").mkdir()
     torch.save(ckpt, tmp_path / "other/ckpt.pt")
     (tmp_path / "other/args.json").write_text((Path(out) / "a/args.json").read_text())
-    assert_one_line_error(run_cli(*common, "--resume", str(tmp_path / "other")), "not of --model")
+    assert_one_line_error(run_cli(*common, "--resume", str(tmp_path / "other")),
+                          "not a checkpoint of this --model")
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     assert_one_line_error(run_cli(*common, "--out-dir", str(blocker / "sub")), "cannot write")
@@ -1431,65 +1627,90 @@ def _metrics(path):
     return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
 
 
+def _interrupt_then_resume(tmp_path, monkeypatch, name, at_sync, interrupt, kw):
+    """A run whose `at_sync`-th weight sync calls `interrupt`; then the same run resumed. Returns
+    what the interrupted run raised, its stderr so far and its metric rows."""
+    real_sync, calls = qurl.sync_weights, []
+
+    def sync(sampler, actor):
+        calls.append(1)
+        if len(calls) == at_sync:
+            interrupt()
+        return real_sync(sampler, actor)
+    monkeypatch.setattr(qurl, "sync_weights", sync)
+    with pytest.raises((SystemExit, RuntimeError)) as e:
+        qurl.train(_small_args(tmp_path, run_name=name, **kw))
+    rows = _metrics(tmp_path / name / "metrics.jsonl")
+    monkeypatch.setattr(qurl, "sync_weights", real_sync)
+    qurl.train(_small_args(tmp_path, resume=str(tmp_path / name), **kw))
+    return e.value, rows
+
+
 def test_resume_after_interrupt_reproduces_metrics(tmp_path, monkeypatch, capsys):
     """Uninterrupted 5 steps == (Ctrl-C after step 3, resume) == (SIGTERM in step 3, resume) ==
-    (crash in step 4 after a checkpoint at 2, resume)."""
+    (crash in step 4 after a checkpoint at 2, resume); `--resume` says where it continues."""
     kw = dict(steps=5, quant="fp8", loss="acr", eval_every=2, lr=1e-3)
     monkeypatch.setattr(qurl, "SAVE_EVERY", 2)
     qurl.train(_small_args(tmp_path, run_name="full", **kw))
     ref = _metrics(tmp_path / "full/metrics.jsonl")
     assert len(ref) == 5
 
-    real_sync, calls = qurl.sync_weights, {"n": 0}
-
-    def ctrl_c_in_step_3(q, m):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            # what the SIGINT handler does: finish this step, checkpoint, exit
-            qurl._request_stop(2, None)
-        return real_sync(q, m)
-    monkeypatch.setattr(qurl, "sync_weights", ctrl_c_in_step_3)
-    with pytest.raises(SystemExit) as e:
-        qurl.train(_small_args(tmp_path, run_name="cut", **kw))
-    assert e.value.code == 130 and len(_metrics(tmp_path / "cut/metrics.jsonl")) == 3
-    monkeypatch.setattr(qurl, "sync_weights", real_sync)
-    qurl.train(_small_args(tmp_path, resume=str(tmp_path / "cut"), **kw))
+    # what the SIGINT handler does: finish this step, checkpoint, exit
+    stop, rows = _interrupt_then_resume(tmp_path, monkeypatch, "cut", 3,
+                                        lambda: qurl._request_stop(2, None), kw)
+    assert stop.code == 130 and len(rows) == 3
     assert _metrics(tmp_path / "cut/metrics.jsonl") == ref
-
-    calls["n"] = 0
+    err = capsys.readouterr().err
+    assert f"resuming from {tmp_path / 'cut' / 'ckpt.pt'} (written after step 3)" in err
+    assert "step 4 of 5 is next" in err
 
     # a real SIGTERM to this process, as a cluster's preemption sends it
-    def sigterm_in_step_3(q, m):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real_sync(q, m)
-    monkeypatch.setattr(qurl, "sync_weights", sigterm_in_step_3)
-    with pytest.raises(SystemExit) as e:
-        qurl.train(_small_args(tmp_path, run_name="term", **kw))
+    stop, rows = _interrupt_then_resume(tmp_path, monkeypatch, "term", 3,
+                                        lambda: os.kill(os.getpid(), signal.SIGTERM), kw)
     err = capsys.readouterr().err
-    assert e.value.code == 143 and len(_metrics(tmp_path / "term/metrics.jsonl")) == 3
+    assert stop.code == 143 and len(rows) == 3
     assert "SIGTERM" in err and f"--resume {tmp_path / 'term'}" in err
-    # the handler was removed on the way out
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    monkeypatch.setattr(qurl, "sync_weights", real_sync)
-    qurl.train(_small_args(tmp_path, resume=str(tmp_path / "term"), **kw))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler removed on the way out
     assert _metrics(tmp_path / "term/metrics.jsonl") == ref
 
-    calls["n"] = 0
-
-    def crash_in_step_4(q, m):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise RuntimeError("simulated crash")
-        return real_sync(q, m)
-    monkeypatch.setattr(qurl, "sync_weights", crash_in_step_4)
-    with pytest.raises(RuntimeError):
-        qurl.train(_small_args(tmp_path, run_name="crash", **kw))
-    assert len(_metrics(tmp_path / "crash/metrics.jsonl")) == 3  # steps 1-3 logged, checkpoint at 2
-    monkeypatch.setattr(qurl, "sync_weights", real_sync)
-    qurl.train(_small_args(tmp_path, resume=str(tmp_path / "crash"), **kw))
+    def crash():
+        raise RuntimeError("simulated crash")
+    _, rows = _interrupt_then_resume(tmp_path, monkeypatch, "crash", 4, crash, kw)
+    assert len(rows) == 3  # steps 1-3 logged, checkpoint at 2
     assert _metrics(tmp_path / "crash/metrics.jsonl") == ref
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not a checkpoint", "code in the pickle"])
+def test_load_checkpoint_refuses_a_damaged_or_unsafe_file_in_one_line(tmp_path, damage):
+    """`load_checkpoint` reads with weights_only=True: a pickle that would build an arbitrary
+    object (here `os.system`'s caller) is refused, as are truncated and foreign files."""
+    args = _small_args(tmp_path, run_name="c", quant="fp8", steps=1, eval_size=4)
+    learner, run = qurl.start_run(args)
+    qurl.save_checkpoint(learner, run)
+    ckpt = tmp_path / "c/ckpt.pt"
+    assert qurl.load_checkpoint(ckpt, learner.actor)["step"] == 0  # a whole one loads as data
+    if damage == "truncated":
+        ckpt.write_bytes(ckpt.read_bytes()[:5000])
+    elif damage == "not a checkpoint":
+        ckpt.write_text("hello")
+    else:
+        torch.save({"step": 0, "payload": _Evil(tmp_path / "pwned")}, ckpt)
+    res = run_cli("--resume", str(tmp_path / "c"), "--steps", "2")
+    assert_one_line_error(res, str(ckpt), "is not a readable checkpoint")
+    assert not (tmp_path / "pwned").exists()
+    if damage == "code in the pickle":  # what weights_only=False would have done
+        torch.load(ckpt, weights_only=False)
+        assert (tmp_path / "pwned").exists()
+
+
+class _Evil:
+    """What a malicious ckpt.pt would carry: unpickling it runs a command."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
 
 
 def test_second_signal_aborts_at_once():
@@ -1518,6 +1739,107 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
         qurl.save_checkpoint(learner, run)
     monkeypatch.setattr(torch, "save", real_save)
     assert torch.load(tmp_path / "c/ckpt.pt", weights_only=False)["step"] == 7  # the previous one
+
+
+# ==================================================================================================
+# Appendix B: the compiled decode (--compile)
+# ==================================================================================================
+@pytest.fixture(scope="module")
+def compiled_fp8(tiny):
+    """An fp8 sampler of a copy of the tiny actor (its first compiled_sample compiles)."""
+    import copy
+    model = copy.deepcopy(tiny[0])
+    return model, qurl.make_sampler(model, "fp8", torch.float32)
+
+
+def _flips(model, rollout, threshold=1e-4):
+    """The share of sampled tokens whose logp_behav differs from teacher forcing by > threshold:
+    an FP8 activation code can flip on the decode's other summation order (eager or compiled)."""
+    lp = qurl.token_logprobs(model, rollout.input_ids, rollout.attention_mask,
+                             rollout.response_mask)
+    far = ((lp - rollout.logp_behav).abs() > threshold) & rollout.response_mask.bool()
+    return float(far.sum() / rollout.response_mask.sum())
+
+
+def test_compiled_decode_equals_the_eager_one(tiny, problems, compiled_fp8):
+    """Greedy tokens equal the eager sampler's; at T = 1 the sampled tokens' logp_behav equal
+    teacher-forced log-probs as closely as the eager sampler's do: 1e-5 for the fp32 actor, and
+    for FP8 the rare flip of an activation code no more often than in the eager decode."""
+    model, sampler = compiled_fp8
+    tok, prompts = tiny[1], _mixed_prompts(tiny[1], problems, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # every precision compiles
+        for decoder in (sampler, model):
+            compiled = qurl.compiled_sample(decoder, tok, prompts, 2, 32, 0.0)
+            eager = qurl.sample(decoder, tok, prompts, 2, 32, 0.0)
+            assert compiled.texts == eager.texts and (compiled.response_mask.sum(1) > 1).all()
+        gens = [torch.Generator().manual_seed(0) for _ in range(2)]
+        ro = qurl.compiled_sample(model, tok, prompts, 4, 32, 1.0, gens[0])
+        lp = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask)
+        assert ((lp - ro.logp_behav) * ro.response_mask).abs().max() < 1e-5
+        assert ro.response_mask.sum() > 500 and not ro.truncated.all()
+        compiled = qurl.compiled_sample(sampler, tok, prompts * 4, 4, 32, 1.0, gens[0])
+        eager = qurl.sample(sampler, tok, prompts * 4, 4, 32, 1.0, gens[1])
+    assert _flips(sampler, compiled) <= 2 * _flips(sampler, eager) + 0.002
+
+
+@CUDA
+@pytest.mark.parametrize("quant", ["bf16", "fp8"])
+def test_cuda_compiled_sampler_matches_eager(problems, quant):
+    """On a GPU the compiled decode is captured as a CUDA graph; its greedy tokens equal the eager
+    sampler's (bf16 sums may part them on a near tie: at most 2 of 32 rows), and its log-probs match
+    teacher forcing as closely as the eager sampler's."""
+    model, tok = qurl.load_model(TINY, "cuda", torch.float32)
+    sampler = qurl.make_sampler(model, quant, torch.bfloat16)
+    prompts = _mixed_prompts(tok, problems, 32)
+    with qurl.autocast(torch.device("cuda"), torch.float32 if quant == "bf16" else torch.bfloat16):
+        eager = qurl.sample(sampler, tok, prompts, 1, 32, 0.0)
+        compiled = qurl.compiled_sample(sampler, tok, prompts, 1, 32, 0.0)
+        assert all(d.graph is not None for d in qurl.DECODERS[sampler].values())
+        assert sum(a != b for a, b in zip(eager.texts, compiled.texts)) <= 2
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        ro = qurl.compiled_sample(sampler, tok, prompts, 2, 32, 1.0, gen)
+        lp = qurl.token_logprobs(sampler, ro.input_ids, ro.attention_mask, ro.response_mask)
+    diff = ((lp - ro.logp_behav) * ro.response_mask).abs()
+    assert diff.sum() / ro.response_mask.sum() < 0.02 and diff.max() < 0.25
+
+
+def test_compiled_decode_never_recompiles_and_reads_fresh_weights(tiny, problems, compiled_fp8):
+    """Across decode steps, RL steps (other prompts of the same width) and weight syncs after
+    optimizer steps at a large learning rate: no recompilation (dynamo's counter), and the
+    log-probs are those of the updated codes, not of the codes the step was compiled with."""
+    model, sampler = compiled_fp8
+    tok = tiny[1]
+    prompts = [qurl.format_prompt(p["question"], tok) for p in problems[:8]]
+    qurl.compiled_sample(sampler, tok, prompts, 2, 24, 1.0, torch.Generator().manual_seed(0))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch._dynamo.config.error_on_recompile = True
+    try:
+        for step in range(3):
+            stale = qurl.make_sampler(model, "fp8", torch.float32)
+            ids = torch.randint(3, 100, (4, 16), generator=torch.Generator().manual_seed(step))
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            assert qurl.sync_weights(sampler, model) > 0.01
+            batch = [qurl.format_prompt(p["question"], tok) for p in problems[8 * step + 8:][:8]]
+            ro = qurl.compiled_sample(sampler, tok, batch, 2, 24, 1.0,
+                                      torch.Generator().manual_seed(step))
+            fresh = qurl.make_sampler(model, "fp8", torch.float32)  # from the new weights
+            assert _flips(fresh, ro) < 0.02 and _flips(stale, ro) > 0.5
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compile_end_to_end(tmp_path):
+    args = _small_args(tmp_path, run_name="c", quant="fp8", compile=True)
+    qurl.train(args)
+    rows = [json.loads(l) for l in (tmp_path / "c/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["quant/flip_rate"] > 0
+    assert all(v is None or math.isfinite(v) for r in rows for v in r.values())
+    assert 0 < rows[0]["mismatch/kl"] < 0.01
 
 
 # ==================================================================================================
@@ -1635,38 +1957,116 @@ def test_plot_writes_png(tmp_path):
 # ==================================================================================================
 # The file itself: copyable method functions, metric names in one place
 # ==================================================================================================
-COPYABLE = ["masked_mean", "k3", "group_advantages", "token_loss", "tbpo_loss", "policy_loss",
-            "mismatch_metrics", "int8_shift", "quantize_fp8", "quantize_int8",
-            "quantize", "dequantize", "w8a8_matmul", "QuantLinear", "fake_quant", "aligned_linear",
-            "rollout_aligned", "sync_weights", "quantize_actor", "invariant_rescale", "sample",
-            "token_logprobs"]
-
-
-def test_method_functions_need_at_most_three_other_module_names():
-    """Copying one of these into another trainer brings at most three other names of qurl.py
-    along (imports aside)."""
+def copy_table() -> dict[str, list[str]]:
+    """The README's copy table: {what you want: the names of qurl.py to copy}."""
     import ast
-    tree = ast.parse(Path(qurl.__file__).read_text())
-    defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    module_names = set(defs) | {
-        t.id
-        for n in tree.body
-        if isinstance(n, (ast.Assign, ast.AnnAssign))
-        for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
-        if isinstance(t, ast.Name)
-    }
-    for name in COPYABLE:
-        notes = {id(x) for n in ast.walk(defs[name]) for note in (getattr(n, "annotation", None),
-                 getattr(n, "returns", None)) if note is not None for x in ast.walk(note)}
-        used = {x.id for x in ast.walk(defs[name])
-                if isinstance(x, ast.Name) and id(x) not in notes} & module_names - {name}
-        assert len(used) <= 3, (name, sorted(used))
+    defined = set()
+    for n in ast.parse(Path(qurl.__file__).read_text()).body:
+        targets = getattr(n, "targets", [getattr(n, "target", None)])
+        defined |= {getattr(n, "name", None)} | {getattr(t, "id", None) for t in targets}
+    readme = (HERE / "README.md").read_text()
+    table = readme[readme.index("| you want | copy |"):].split("\n\n")[0].splitlines()[2:]
+    rows = {}
+    for line in table:
+        want, names = line.split(" | ")[:2]
+        rows[want.strip("| ")] = [n for n in re.findall(r"`(\w+)`", names) if n in defined]
+        if "quantized sampler's row" in names:
+            rows[want.strip("| ")] += rows["a quantized sampler"]
+    return rows
+
+
+def fresh_module(names: list[str]):
+    """A new module holding qurl.py's imports and the source of `names` alone, as a reader would
+    paste them into an empty file; fails if they use another name of qurl.py."""
+    import ast
+    import types
+    src = Path(qurl.__file__).read_text()
+    tree = ast.parse(src)
+    module_names, pieces = set(), []
+    for n in tree.body:
+        targets = getattr(n, "targets", [getattr(n, "target", None)])
+        named = {getattr(n, "name", None)} | {getattr(t, "id", None) for t in targets}
+        module_names |= named - {None}
+        if named & set(names):
+            start = min([d.lineno for d in getattr(n, "decorator_list", [])] + [n.lineno])
+            pieces.append("\n".join(src.splitlines()[start - 1:n.end_lineno]))
+    used = {x.id for piece in pieces for x in ast.walk(ast.parse(piece))
+            if isinstance(x, ast.Name)} & module_names
+    assert used <= set(names), ("also needs", sorted(used - set(names)))
+    lines = src.splitlines()
+    header = lines[lines.index("from __future__ import annotations"):
+                   lines.index("from torch import Tensor, nn") + 1]
+    module = types.ModuleType(f"copied_{abs(hash(tuple(names)))}")
+    sys.modules[module.__name__] = module  # dataclasses look their module up
+    exec(compile("\n".join(header + pieces), module.__name__, "exec"), module.__dict__)
+    return module
+
+
+def _copied_loss(m):
+    lp, prox, behav, adv, mask = (torch.tensor(v, dtype=torch.float64)
+                                  for v in (LP, LP_PROX, LP_BEHAV, ADV, [[1.0, 1.0], [1.0, 0.0]]))
+    options = {k: v for k, v in LOSS_OPTIONS.items() if k != "tbpo_band"}
+    for kind in ("naive", "tis", "acr"):
+        got = m.token_loss(lp, prox, behav, adv, mask, kind, **options)
+        want = qurl.token_loss(lp, prox, behav, adv, mask, kind, **options)
+        assert got[0] == want[0] and got[1] == want[1]
+    band = LOSS_OPTIONS["is_cap"], LOSS_OPTIONS["tbpo_band"]
+    assert m.tbpo_loss(lp, prox, behav, adv, mask, *band)[0] == qurl.tbpo_loss(
+        lp, prox, behav, adv, mask, *band)[0]
+
+
+def _copied_sampler(m, tiny, problems):
+    import copy
+    actor = copy.deepcopy(tiny[0])
+    ids = tiny[1]([qurl.format_prompt(problems[0]["question"], tiny[1])],
+                  return_tensors="pt")["input_ids"]
+    for fmt in ("fp8", "int8", "nf4"):
+        ours, theirs = m.make_sampler(actor, fmt, torch.float32), qurl.make_sampler(
+            actor, fmt, torch.float32)
+        assert torch.equal(ours(ids).logits, theirs(ids).logits)
+        with torch.no_grad():
+            actor.model.layers[0].mlp.up_proj.weight.add_(0.01)  # (a scale would flip no code)
+        assert m.sync_weights(ours, actor) == qurl.sync_weights(theirs, actor) > 0
+        assert torch.equal(ours(ids).logits, theirs(ids).logits)
+    return actor, ids
+
+
+def test_copy_table_rows_run_in_an_empty_module(tiny, problems):
+    """Each row of the README's copy table, pasted alone into an empty module, needs no other name
+    of qurl.py and computes what qurl.py computes."""
+    import copy
+    rows = copy_table()
+    assert len(rows) == 7 and all(rows.values())
+    modules = {want: fresh_module(names) for want, names in rows.items()}
+    _copied_loss(modules["a loss"])
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    assert all(torch.equal(a, b) for a, b in zip(
+        modules["GRPO advantages"].group_advantages(rewards, 4),
+        qurl.group_advantages(rewards, 4)))
+    logs = torch.tensor(LP_PROX), torch.tensor(LP_BEHAV), torch.ones(2, 2)
+    assert modules["mismatch metrics"].mismatch_metrics(*logs) == qurl.mismatch_metrics(*logs)
+    actor, ids = _copied_sampler(modules["a quantized sampler"], tiny, problems)
+
+    with modules["the aligned forward"].rollout_aligned(actor, "fp8"):
+        ours = actor(ids).logits
+    with qurl.rollout_aligned(actor, "fp8"):
+        assert torch.equal(ours, actor(ids).logits)
+    scaled = copy.deepcopy(actor)
+    modules["invariant scaling"].invariant_rescale(scaled, 1.5)
+    torch.testing.assert_close(scaled(ids).logits, actor(ids).logits, rtol=1e-4, atol=1e-4)
+
+    prompts, generators = _mixed_prompts(tiny[1], problems, 4), [torch.Generator() for _ in "ab"]
+    ours, theirs = (sample(actor, tiny[1], prompts, 2, 8, 1.0, g.manual_seed(0)) for sample, g in
+                    zip((modules["a sampler with `logp_behav`"].sample, qurl.sample), generators))
+    assert torch.equal(ours.input_ids, theirs.input_ids)
+    assert torch.equal(ours.logp_behav, theirs.logp_behav)
 
 
 def test_the_lesson_file_keeps_its_shape():
     """qurl.py is read line by line: its size counted in characters without indentation, the
     method between its banners, lines of at most 100 columns everywhere, functions of at most 60
-    lines, a docstring on every top-level function of the method."""
+    lines and in paragraphs past 20, a docstring on every function of the method and a test that
+    names it, conditional expressions few and never inside another expression."""
     import ast
     src = Path(qurl.__file__).read_text()
     lines = src.splitlines()
@@ -1674,20 +2074,38 @@ def test_the_lesson_file_keeps_its_shape():
     start = next(i for i, line in enumerate(lines) if "THE METHOD" in line)
     end = next(i for i, line in enumerate(lines) if "APPENDIX" in line)
     method = sum(len(line.strip()) for line in lines[start:end])
-    assert chars <= 64_000 and method <= 37_000, (chars, method)
+    assert chars <= 66_000 and method <= 36_000, (chars, method)
     for path in [Path(qurl.__file__), Path(__file__), *sorted((HERE / "tools").glob("*.py"))]:
         wide = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if len(line) > 100]
         assert not wide, (path.name, wide)
+
     tree = ast.parse(src)
     functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
-    sizes = [(n.name, n.end_lineno - n.lineno + 1) for n in functions]
-    long = [(name, size) for name, size in sizes if size > 60]
+    long = [(n.name, n.end_lineno - n.lineno + 1) for n in functions
+            if n.end_lineno - n.lineno + 1 > 60]
     assert not long, long
-    method_defs = [n for n in tree.body if isinstance(n, ast.FunctionDef)
+    unbroken = [n.name for n in functions if n.end_lineno - n.lineno + 1 > 20
+                and "" not in [line.strip() for line in lines[n.lineno:n.end_lineno]]]
+    assert not unbroken, unbroken
+
+    method_defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))
                    and start < n.lineno <= end]
     assert len(method_defs) > 20
-    assert all(ast.get_docstring(n) for n in method_defs), \
-        [n.name for n in method_defs if not ast.get_docstring(n)]
+    undocumented = [n.name for n in method_defs if not ast.get_docstring(n)
+                    and isinstance(n, ast.FunctionDef)]
+    assert not undocumented, undocumented
+    test_tree = ast.parse(Path(__file__).read_text())
+    tests = [(n.name, ast.get_docstring(n) or "") for n in test_tree.body
+             if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
+    untested = [n.name for n in method_defs if not any(
+        n.name.strip("_").lower() in name or f"`{n.name}`" in doc for name, doc in tests)]
+    assert not untested, untested
+
+    parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    conditionals = [n for n in ast.walk(tree) if isinstance(n, ast.IfExp)]
+    nested = [n.lineno for n in conditionals
+              if not isinstance(parents[id(n)], (ast.Assign, ast.AnnAssign, ast.Return))]
+    assert len(conditionals) <= 25 and not nested, (len(conditionals), nested)
 
 
 def test_metric_names_defined_once_and_in_the_glossary():
@@ -1699,220 +2117,3 @@ def test_metric_names_defined_once_and_in_the_glossary():
     assert all(f"`{k}`" in glossary for k in qurl.METRIC_KEYS if k != "step"), \
         [k for k in qurl.METRIC_KEYS if f"`{k}`" not in glossary]
     assert len(set(qurl.METRIC_KEYS)) == len(qurl.METRIC_KEYS)
-
-# ==================================================================================================
-# CUDA (skipped with a reason where torch sees no CUDA device)
-# ==================================================================================================
-@CUDA
-@pytest.mark.parametrize("fmt", ["fp8", "int8"])
-def test_cuda_quantlinear_matches_cpu_reference(fmt):
-    lin, x = _realistic_linear()
-    ref = qurl.QuantLinear(lin, fmt)(x)                      # CPU, fp32: the reference math
-    lin_c = torch.nn.Linear(lin.in_features, lin.out_features).cuda().to(torch.bfloat16)
-    with torch.no_grad():
-        lin_c.weight.copy_(lin.weight)
-        lin_c.bias.copy_(lin.bias)
-    q = qurl.QuantLinear(lin_c, fmt)
-    y = q(x.cuda().to(torch.bfloat16)).float().cpu()
-    if fmt == "fp8" and torch.cuda.get_device_capability() >= (8, 9):
-        assert q.kernel == "scaled_mm"  # chosen, and not refused at the call
-    # bf16 weights and inputs (8 mantissa bits) and a bf16 output: about 0.5 % relative, bound 2 %
-    assert _rel_err(y, ref) < 0.02
-
-
-@CUDA
-def test_cuda_sample_logprobs_bf16(problems):
-    model, tok = qurl.load_model(TINY, "cuda", torch.bfloat16)
-    model.eval()
-    prompts = _mixed_prompts(tok, problems, 8)
-    ro = qurl.sample(model, tok, prompts, n=4, max_new_tokens=32, temperature=1.0,
-                     generator=torch.Generator(device="cuda").manual_seed(0))
-    lp = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask, 1.0)
-    diff = ((lp - ro.logp_behav) * ro.response_mask).abs()
-    # bf16 logits: cached decode and a full forward differ by a few bf16 ulps of the logits
-    assert diff.sum() / ro.response_mask.sum() < 0.02 and diff.max() < 0.25
-
-
-@CUDA
-@pytest.mark.parametrize("quant", ["fp8", "int8", "nf4", "none"])
-def test_cuda_two_step_rl(tmp_path, quant):
-    qurl.train(_small_args(tmp_path, run_name="c", quant=quant))
-    rows = [json.loads(l) for l in (tmp_path / "c/metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(v is None or math.isfinite(v) for r in rows for v in r.values())
-
-
-@CUDA
-@pytest.mark.parametrize("autocast", [False, True])
-def test_cuda_nf4_dequantizes_into_the_compute_dtype(autocast):
-    """On CUDA bitsandbytes dequantizes NF4 per call, straight into the compute dtype: bf16 out,
-    with and without autocast, equal to the CPU layer (fp32 dequantized weights) to bf16
-    rounding."""
-    lin, x = _realistic_linear()
-    ref = qurl.QuantLinear(lin, "nf4")(x)
-    q = qurl.QuantLinear(lin.cuda(), "nf4")
-    x_c = x.cuda() if autocast else x.cuda().to(torch.bfloat16)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        y = q(x_c)
-    assert y.dtype == torch.bfloat16 and _rel_err(y.float().cpu(), ref) < 0.02
-
-
-@CUDA
-@pytest.mark.parametrize("quant", ["bf16", "fp8"])
-def test_cuda_compiled_sampler_matches_eager(problems, quant):
-    """On a GPU the compiled decode is captured as a CUDA graph; its greedy tokens equal the eager
-    sampler's (bf16 sums may part them on a near tie: at most 2 of 32 rows), and its log-probs match
-    teacher forcing as closely as the eager sampler's."""
-    model, tok = qurl.load_model(TINY, "cuda", torch.float32)
-    sampler = qurl.make_sampler(model, quant, torch.bfloat16)
-    prompts = _mixed_prompts(tok, problems, 32)
-    with qurl.autocast(torch.device("cuda"), torch.float32 if quant == "bf16" else torch.bfloat16):
-        eager = qurl.sample(sampler, tok, prompts, 1, 32, 0.0)
-        compiled = qurl.compiled_sample(sampler, tok, prompts, 1, 32, 0.0)
-        assert all(d.graph is not None for d in qurl.DECODERS[sampler].values())
-        assert sum(a != b for a, b in zip(eager.texts, compiled.texts)) <= 2
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        ro = qurl.compiled_sample(sampler, tok, prompts, 2, 32, 1.0, gen)
-        lp = qurl.token_logprobs(sampler, ro.input_ids, ro.attention_mask, ro.response_mask)
-    diff = ((lp - ro.logp_behav) * ro.response_mask).abs()
-    assert diff.sum() / ro.response_mask.sum() < 0.02 and diff.max() < 0.25
-
-
-# ==================================================================================================
-# The precision ladder and the compiled decode (--compile)
-# ==================================================================================================
-def test_gumbel_max_draws_what_multinomial_draws():
-    """_pick samples argmax(p / E), E ~ Exponential(1): torch.multinomial's own one-sample
-    algorithm, so the same generator state gives the same tokens, with no host sync."""
-    logits = torch.randn(64, 300, generator=torch.Generator().manual_seed(1)) * 3
-    for temperature in (1.0, 0.7):
-        probs = torch.softmax(logits / temperature, -1)
-        want = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(5)).squeeze(1)
-        noise = torch.empty_like(probs).exponential_(generator=torch.Generator().manual_seed(5))
-        token, logp = qurl._pick(logits, temperature, noise)
-        assert torch.equal(token, want)
-        torch.testing.assert_close(logp, probs.gather(1, want[:, None]).log().squeeze(1))
-
-
-def test_precision_ladder_mismatch_and_flips(tiny, problems):
-    """--quant none is the actor itself; bf16 and fp16 are half copies refreshed in place. Their
-    mismatch to the fp32 actor's teacher forcing orders as their mantissas do (fp16 has 10 bits,
-    bf16 7), and the flip rate counts the half-precision values a sync changes."""
-    import copy
-    model, tok = copy.deepcopy(tiny[0]), tiny[1]
-    assert qurl.make_sampler(model, "none", torch.bfloat16) is model
-    kl = {}
-    for quant in ("none", "fp16", "bf16"):
-        sampler = qurl.make_sampler(model, quant, torch.float32)
-        ro = qurl.sample(sampler, tok, _mixed_prompts(tok, problems, 16), 4, 24, 1.0,
-                         torch.Generator().manual_seed(0))
-        lp = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask)
-        kl[quant] = float(qurl.masked_mean(qurl.k3(lp.detach() - ro.logp_behav), ro.response_mask))
-    assert kl["none"] < 1e-8 < kl["fp16"] < kl["bf16"] / 4 < 1e-3, kl
-    sampler = qurl.make_sampler(model, "bf16", torch.float32)
-    up_half = dict(sampler.named_parameters())["model.layers.0.mlp.up_proj.weight"]
-    assert up_half.dtype == torch.bfloat16
-    assert sampler.model.rotary_emb.inv_freq.dtype == torch.float32
-    assert qurl.sync_weights(sampler, model) == 0.0
-    with torch.no_grad():
-        model.model.layers[0].mlp.up_proj.weight.mul_(1.01)  # 1 % moves most bf16 values
-    flip = qurl.sync_weights(sampler, model)
-    n_lin = sum(m.weight.numel() for _, m in qurl.decoder_linears(model))
-    up = model.model.layers[0].mlp.up_proj.weight
-    assert 0.5 * up.numel() / n_lin < flip <= up.numel() / n_lin
-    assert torch.equal(up_half, up.to(torch.bfloat16))  # refreshed in place
-
-
-def test_quantized_sampler_lm_head_in_the_compute_dtype_is_exact(tiny, problems):
-    """The quantized sampler holds lm_head in the compute dtype (cast once per sync): under bf16
-    autocast its log-probs equal bit for bit those of an fp32 lm_head cast at every step."""
-    import copy
-    model, tok = copy.deepcopy(tiny[0]), tiny[1]
-    fast, plain = qurl.make_sampler(model, "fp8", torch.bfloat16), qurl.quantize_actor(model, "fp8")
-    assert fast.lm_head.weight.dtype == torch.bfloat16
-    assert fast.model.embed_tokens.weight.dtype == torch.float32
-    assert plain.lm_head.weight is plain.model.embed_tokens.weight  # the tiny model ties them
-    with torch.no_grad():
-        model.lm_head.weight.add_(0.01)  # a sync reaches the untied head
-    qurl.sync_weights(fast, model)
-    qurl.sync_weights(plain, model)
-    with qurl.autocast(torch.device("cpu"), torch.bfloat16):
-        a, b = (qurl.sample(s, tok, _mixed_prompts(tok, problems, 8), 2, 16, 1.0,
-                            torch.Generator().manual_seed(0)) for s in (fast, plain))
-    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.logp_behav, b.logp_behav)
-
-
-@pytest.fixture(scope="module")
-def compiled_fp8(tiny):
-    """An fp8 sampler of a copy of the tiny actor (its first compiled_sample compiles)."""
-    import copy
-    model = copy.deepcopy(tiny[0])
-    return model, qurl.make_sampler(model, "fp8", torch.float32)
-
-
-def _flips(model, rollout, threshold=1e-4):
-    """The share of sampled tokens whose logp_behav differs from teacher forcing by > threshold:
-    an FP8 activation code can flip on the decode's other summation order (eager or compiled)."""
-    lp = qurl.token_logprobs(model, rollout.input_ids, rollout.attention_mask,
-                             rollout.response_mask)
-    far = ((lp - rollout.logp_behav).abs() > threshold) & rollout.response_mask.bool()
-    return float(far.sum() / rollout.response_mask.sum())
-
-
-def test_compiled_decode_equals_the_eager_one(tiny, problems, compiled_fp8):
-    """Greedy tokens equal the eager sampler's; at T = 1 the sampled tokens' logp_behav equal
-    teacher-forced log-probs as closely as the eager sampler's do: 1e-5 for the fp32 actor, and
-    for FP8 the rare flip of an activation code no more often than in the eager decode."""
-    model, sampler = compiled_fp8
-    tok, prompts = tiny[1], _mixed_prompts(tiny[1], problems, 16)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # every precision compiles
-        for decoder in (sampler, model):
-            compiled = qurl.compiled_sample(decoder, tok, prompts, 2, 32, 0.0)
-            eager = qurl.sample(decoder, tok, prompts, 2, 32, 0.0)
-            assert compiled.texts == eager.texts and (compiled.response_mask.sum(1) > 1).all()
-        gens = [torch.Generator().manual_seed(0) for _ in range(2)]
-        ro = qurl.compiled_sample(model, tok, prompts, 4, 32, 1.0, gens[0])
-        lp = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask)
-        assert ((lp - ro.logp_behav) * ro.response_mask).abs().max() < 1e-5
-        assert ro.response_mask.sum() > 500 and not ro.truncated.all()
-        compiled = qurl.compiled_sample(sampler, tok, prompts * 4, 4, 32, 1.0, gens[0])
-        eager = qurl.sample(sampler, tok, prompts * 4, 4, 32, 1.0, gens[1])
-    assert _flips(sampler, compiled) <= 2 * _flips(sampler, eager) + 0.002
-
-
-def test_compiled_decode_never_recompiles_and_reads_fresh_weights(tiny, problems, compiled_fp8):
-    """Across decode steps, RL steps (other prompts of the same width) and weight syncs after
-    optimizer steps at a large learning rate: no recompilation (dynamo's counter), and the
-    log-probs are those of the updated codes, not of the codes the step was compiled with."""
-    model, sampler = compiled_fp8
-    tok = tiny[1]
-    prompts = [qurl.format_prompt(p["question"], tok) for p in problems[:8]]
-    qurl.compiled_sample(sampler, tok, prompts, 2, 24, 1.0, torch.Generator().manual_seed(0))
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    torch._dynamo.config.error_on_recompile = True
-    try:
-        for step in range(3):
-            stale = qurl.make_sampler(model, "fp8", torch.float32)
-            ids = torch.randint(3, 100, (4, 16), generator=torch.Generator().manual_seed(step))
-            model(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            assert qurl.sync_weights(sampler, model) > 0.01
-            batch = [qurl.format_prompt(p["question"], tok) for p in problems[8 * step + 8:][:8]]
-            ro = qurl.compiled_sample(sampler, tok, batch, 2, 24, 1.0,
-                                      torch.Generator().manual_seed(step))
-            fresh = qurl.make_sampler(model, "fp8", torch.float32)  # from the new weights
-            assert _flips(fresh, ro) < 0.02 and _flips(stale, ro) > 0.5
-    finally:
-        torch._dynamo.config.error_on_recompile = False
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-
-
-def test_compile_end_to_end(tmp_path):
-    args = _small_args(tmp_path, run_name="c", quant="fp8", compile=True)
-    qurl.train(args)
-    rows = [json.loads(l) for l in (tmp_path / "c/metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and rows[1]["quant/flip_rate"] > 0
-    assert all(v is None or math.isfinite(v) for r in rows for v in r.values())
-    assert 0 < rows[0]["mismatch/kl"] < 0.01

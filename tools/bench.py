@@ -79,11 +79,6 @@ def _bench_model(args: Args, opts, device):
     return model, load_model(str(HERE / "data/tiny-qwen"))[1]
 
 
-def _rollout_autocast(fmt: str, device, dtype):
-    """The rollout's autocast, as in train_step: a half copy computes in its own dtype."""
-    return autocast(device, torch.float32 if fmt in ("bf16", "fp16") else dtype)
-
-
 def _timed(fn, device, runs=3) -> tuple[float, object]:
     """Median seconds of `runs` calls of fn (after one warm-up call), and the last result."""
     times, out = [], None
@@ -144,7 +139,7 @@ def bench_rollout(args: Args, opts) -> list[dict]:
                 "sync_s": sync_s,
             }
             _memory(device, reset=True)
-            with _rollout_autocast(fmt, device, dtype):
+            with qurl.rollout_autocast(fmt, device, dtype):
                 if not opts.no_eager:
                     t, _ = _timed(
                         lambda: sample(sampler, tok, prompts, 1, n, generator=gen),
@@ -198,7 +193,7 @@ def bench_profile(args: Args, opts) -> list[dict]:
     prompts = [format_prompt(problems[i % len(problems)]["question"], tok) for i in range(batch)]
     for fmt in opts.precisions.split(","):
         sampler = make_sampler(model, fmt, dtype)
-        with _rollout_autocast(fmt, device, dtype), torch.no_grad():
+        with qurl.rollout_autocast(fmt, device, dtype), torch.no_grad():
             qurl.compiled_sample(sampler, tok, prompts, 1, args.max_new_tokens)
             decoder = next(iter(qurl.DECODERS[sampler].values()))
             # back to the first token: room for the steps below
@@ -283,7 +278,7 @@ def bench_kernels(args: Args, opts) -> list[dict]:
             if isinstance(module, qurl.QuantLinear) and module.fmt == "fp8":
                 module.kernel, module.weight_deq = "scaled_mm", None
         counts = []
-        with _rollout_autocast(fmt, device, dtype), torch.no_grad():
+        with qurl.rollout_autocast(fmt, device, dtype), torch.no_grad():
             for n in (2, 3):
                 with Count() as count:
                     sample(sampler, tok, prompts, 1, n, 1.0, torch.Generator().manual_seed(0))
@@ -340,7 +335,7 @@ def bench_train(args: Args, opts) -> dict:
         if step == 1:
             _memory(device, reset=True)
             decode = qurl.compiled_sample if args.compile else sample
-            with _rollout_autocast(args.quant, device, dtype):
+            with qurl.rollout_autocast(args.quant, device, dtype):
                 decode(rl.sampler, tok, prompts, args.group_size, args.max_new_tokens,
                        generator=rl.generator)
             roll_peak = _memory(device) - base
