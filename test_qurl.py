@@ -1946,6 +1946,14 @@ def test_plot_writes_png(tmp_path):
     out = tmp_path / "fig" / "cmp.png"
     plot = _script(HERE / "tools" / "plot.py", "plot")
     plot.main([str(tmp_path / "p_none"), str(tmp_path / "p_fp8"), "--out", str(out)])
+    # one update per rollout clips no token: the clip panel shows 0 on a plain axis
+    fig = plot.plot_runs([str(tmp_path / "p_none")], str(out))
+    clip = fig.axes[list(plot.PANELS).index("clip/low")]
+    fig.canvas.draw()
+    assert clip.yaxis.get_offset_text().get_text() == ""
+    low, high = clip.get_ylim()
+    assert low < 0 < high and set(clip.lines[0].get_ydata()) == {0.0}
+    plot.main([str(tmp_path / "p_none"), str(tmp_path / "p_fp8"), "--out", str(out)])
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     import matplotlib.image

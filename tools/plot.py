@@ -19,7 +19,17 @@ PANELS = {
 }
 
 
-def plot_runs(run_dirs: list[str], out: str = "runs.png") -> None:
+def _smooth(points: list[tuple], window: int) -> list[tuple]:
+    """Each value replaced by the mean of it and the `window` before it."""
+    out = []
+    for i, (x, _) in enumerate(points):
+        values = [v for _, v in points[max(0, i - window) : i + 1]]
+        out.append((x, sum(values) / len(values)))
+    return out
+
+
+def plot_runs(run_dirs: list[str], out: str = "runs.png"):
+    """One panel per metric in PANELS, one line per run; returns the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -34,31 +44,24 @@ def plot_runs(run_dirs: list[str], out: str = "runs.png") -> None:
         start = json.loads(summary.read_text()).get("start_eval_acc") if summary.is_file() else None
         for ax, (key, title) in zip(axes.flat, PANELS.items()):
             points = [(0, start)] if key == "eval/acc" and start is not None else []
-            points += [
-                (row["step"], max(row[key], 1e-12)) for row in rows if row.get(key) is not None
-            ]
-            window = max(1, len(points) // 25) if key != "eval/acc" and len(points) > 20 else 0
-            points = [
-                (
-                    x,
-                    sum(v for _, v in points[max(0, i - window) : i + 1])
-                    / len(points[max(0, i - window) : i + 1]),
-                )
-                for i, (x, _) in enumerate(points)
-            ]
+            points += [(row["step"], row[key]) for row in rows if row.get(key) is not None]
+            if key == "mismatch/kl":  # a log axis: an exact zero (--quant none) sits at 1e-12
+                points = [(x, max(v, 1e-12)) for x, v in points]
+            if key != "eval/acc" and len(points) > 20:
+                points = _smooth(points, max(1, len(points) // 25))
             if points:
-                ax.plot(
-                    *zip(*points),
-                    label=Path(run).name,
-                    marker="o" if key == "eval/acc" else None,
-                    markersize=3,
-                )
+                marker = "o" if key == "eval/acc" else None
+                ax.plot(*zip(*points), label=Path(run).name, marker=marker, markersize=3)
             ax.set(title=title, xlabel="step", yscale="log" if key == "mismatch/kl" else "linear")
+    for ax in axes.flat:
+        if ax.get_yscale() == "linear":
+            ax.ticklabel_format(axis="y", useOffset=False)  # values as they are, not 1e-12 + x
     axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=80)
     print(f"wrote {out}")
+    return fig
 
 
 def main(argv=None) -> None:
