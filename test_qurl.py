@@ -1923,6 +1923,29 @@ def test_bench_rollout_on_the_tiny_model(tmp_path, monkeypatch):
     assert all(("generate_tok_s" in r) == (r["quant"] == "bf16") for r in rows)
 
 
+def test_bench_gemm_variants_compute_the_samplers_product():
+    """Every FP8 way of a decode GEMM that `tools/bench.py gemm` times computes what the sampler
+    computes (the per-token, per-channel FP8 product of the formats' definitions), bf16 the plain
+    product; the fused linears' widths are the separate ones' sums."""
+    bench = _script(HERE / "tools" / "bench.py", "bench")
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(16, 64, generator=gen), torch.randn(48, 64, generator=gen) / 8
+    fp8 = _ref_fake_quant(x, "fp8") @ _ref_fake_quant(w, "fp8").t()
+    variants = bench.gemm_variants(x, w, torch.device("cpu"))
+    assert set(variants) > {"bf16", "fp8_rowwise", "fp8_tensorwise", "fp8_swapped"}
+    for name, fn in variants.items():
+        y = fn()
+        if name == "fp8_act_quant_only":
+            assert y.dtype == torch.float8_e4m3fn and y.shape == x.shape
+            continue
+        want = (x.double() @ w.double().t()) if name == "bf16" else fp8
+        tol = 2e-2 if name == "bf16" else 1e-5
+        torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol)
+    shapes = bench.decode_linears("qwen2.5-7b")
+    assert shapes["qkv"][1] == sum(shapes[n][1] for n in "qkv")
+    assert shapes["gate_up"][1] == shapes["gate"][1] + shapes["up"][1] == 2 * 18944
+
+
 def test_bench_train_measures_peaks_beside_the_estimate(tmp_path):
     """bench.py train runs whole RL steps and reports the rollout's and the step's peak memory
     beside the estimate. A fresh process: freed memory of other tests would serve."""

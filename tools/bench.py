@@ -10,6 +10,9 @@
         milliseconds per kernel of one compiled decode step
     python tools/bench.py kernels --model-config SHAPE
         kernels per decode token, eager and compiled
+    python tools/bench.py gemm --model-config SHAPE [--bench-batch 64,256,1024]
+        milliseconds of each decode GEMM, bf16 and every FP8 way (row-wise, fast accumulation,
+        tensor-wise with the scales after, operands swapped, inductor-tuned), fused and separate
 
 --model-config builds a published architecture with random weights (no download); --out FILE appends
 each row as a JSON line; the other flags are qurl.py's. On a CPU, run `train` with
@@ -312,6 +315,121 @@ def bench_kernels(args: Args, opts) -> list[dict]:
     return rows
 
 
+# H200 (SXM): HBM bandwidth and dense tensor-core peaks, for the roofline columns
+H200_BYTES_S, H200_FLOPS = 4.8e12, {"bf16": 989e12, "fp8": 1979e12}
+
+
+def decode_linears(config_name: str) -> dict[str, tuple[int, int]]:
+    """(K, N) of a decoder layer's linears at a published shape, and of the fused ones a sampler
+    may hold instead (q/k/v one linear, gate/up one linear)."""
+    _, h, _, heads, kv, inter, _, _, *head_dim = MODEL_CONFIGS[config_name]
+    d = head_dim[0] if head_dim else h // heads
+    return {"q": (h, heads * d), "k": (h, kv * d), "v": (h, kv * d), "o": (heads * d, h),
+            "gate": (h, inter), "up": (h, inter), "down": (inter, h),
+            "qkv": (h, (heads + 2 * kv) * d), "gate_up": (h, 2 * inter)}
+
+
+def gemm_variants(x, w, device, tune: bool = False) -> dict:
+    """One decode GEMM y = x W^T, (M, K) activations, (N, K) weights, each way qurl could run it
+    in FP8, beside bf16. The FP8 ones include quantizing the activations per token (as the sampler
+    does at every call); each returns a bf16 (M, N)."""
+    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    w8, w_scale = qurl.quantize_fp8(w)
+    w8t, w_scale_row = w8.t(), w_scale[None, :]
+    one = torch.ones((), device=device)
+    out = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def rowwise(fast=False):
+        x8, x_scale = qurl.quantize_fp8(x)
+        return torch._scaled_mm(x8, w8t, x_scale[:, None], w_scale_row, out_dtype=out,
+                                use_fast_accum=fast)
+
+    def tensorwise():  # unit scales in the GEMM, the row and channel scales after it
+        x8, x_scale = qurl.quantize_fp8(x)
+        y = torch._scaled_mm(x8, w8t, one, one, out_dtype=torch.float32)
+        return (y * x_scale[:, None] * w_scale_row).to(out)
+
+    def swapped():  # (W x^T)^T: N, the large side, fills the kernel's row tiles
+        x8, x_scale = qurl.quantize_fp8(x)
+        y = torch._scaled_mm(w8, x8.t(), w_scale[:, None], x_scale[None, :], out_dtype=out)
+        return y.t()
+
+    def quantize_only():
+        return qurl.quantize_fp8(x)[0]
+
+    variants = {"bf16": lambda: xb @ wb.t(), "fp8_rowwise": rowwise,
+                "fp8_rowwise_fast_accum": lambda: rowwise(True), "fp8_tensorwise": tensorwise,
+                "fp8_swapped": swapped, "fp8_act_quant_only": quantize_only}
+    if tune:  # inductor's scaled-mm templates, autotuned at this shape (minutes: one M only)
+        variants["fp8_inductor"] = torch.compile(rowwise, mode="max-autotune-no-cudagraphs",
+                                                 dynamic=False)
+    return variants
+
+
+def _gemm_ms(fn, device, runs: int) -> tuple[float, object]:
+    """Milliseconds per call of `runs` calls back to back (CUDA events: a launch's host time hides
+    behind the previous call, as in a captured decode step), after a warm-up; the last output."""
+    out = fn()
+    if device.type != "cuda":
+        seconds, out = _timed(fn, device, runs)
+        return seconds * 1e3, out
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    _sync(device)
+    start.record()
+    for _ in range(runs):
+        out = fn()
+    end.record()
+    _sync(device)
+    return start.elapsed_time(end) / runs, out
+
+
+def _kernel_name(fn, device) -> str:
+    """The longest kernel of one call (CUDA), or "cpu"."""
+    if device.type != "cuda":
+        return "cpu"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync(device)
+    events = [(getattr(e, "device_time_total", 0), e.key) for e in prof.key_averages()]
+    return max(events)[1][:70] if events else "?"
+
+
+def bench_gemm(args: Args, opts) -> list[dict]:
+    """Milliseconds of each decode GEMM of --model-config (the 7 linears of a layer and the fused
+    qkv, gate_up) at each --bench-batch row count, every way of `gemm_variants`, with the kernel it
+    ran, its error against fp32, and on CUDA the H200 roofline (bytes over bandwidth, flops over
+    the dense peak)."""
+    device, _ = resolve_device_dtype(args.dtype)
+    rows = []
+    for M in map(int, opts.bench_batch.split(",")):
+        for name, (K, N) in decode_linears(opts.model_config).items():
+            gen = torch.Generator(device=device).manual_seed(M * 7 + N)
+            x = torch.randn(M, K, device=device, generator=gen)
+            w = torch.randn(N, K, device=device, generator=gen) / K**0.5
+            ref = x.double() @ w.double().t()
+            tune = device.type == "cuda" and M == 256
+            for variant, fn in gemm_variants(x, w, device, tune).items():
+                row = {"model": opts.model_config, "linear": name, "M": M, "K": K, "N": N,
+                       "variant": variant}
+                try:
+                    row["ms"], y = _gemm_ms(fn, device, opts.runs)
+                except Exception as e:  # noqa: BLE001 (a variant this build or device lacks)
+                    rows.append(_report(row | {"error": f"{type(e).__name__}: {e}"[:120]},
+                                        device, opts.out))
+                    continue
+                row["kernel"] = _kernel_name(fn, device)
+                if "quant" not in variant:
+                    row["rel_err"] = float((y.double() - ref).norm() / ref.norm())
+                fp8 = variant.startswith("fp8")
+                weight_bytes = K * N * (1 if fp8 else 2)
+                bytes_moved = weight_bytes + M * K * (1 if fp8 else 2) + 2 * M * N
+                flops = 2 * M * N * K
+                row["roofline_ms_h200"] = 1e3 * max(
+                    bytes_moved / H200_BYTES_S, flops / H200_FLOPS["fp8" if fp8 else "bf16"])
+                rows.append(_report(row, device, opts.out))
+    return rows
+
+
 def bench_train(args: Args, opts) -> dict:
     """Whole RL steps at the real sizes: a warm-up (it allocates AdamW's state), a rollout alone,
     then BENCH_RUNS steps of train_step with --prompts-per-step x --group-size rows of
@@ -397,7 +515,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="tools/bench.py", description=__doc__.split("\n")[0], allow_abbrev=False
     )
-    parser.add_argument("mode", choices=["rollout", "train", "profile", "kernels"])
+    parser.add_argument("mode", choices=["rollout", "train", "profile", "kernels", "gemm"])
     parser.add_argument(
         "--model-config", choices=list(MODEL_CONFIGS), help="a published shape, random weights"
     )
@@ -425,6 +543,7 @@ def main(argv=None) -> None:
             "rollout": bench_rollout,
             "profile": bench_profile,
             "kernels": bench_kernels,
+            "gemm": bench_gemm,
         }
         modes[opts.mode](parse_args(rest), opts)
     except QurlError as e:
