@@ -1959,6 +1959,9 @@ def test_bench_train_measures_peaks_beside_the_estimate(tmp_path):
     assert row["device"].startswith("cpu") and row["rows"] == 8 and row["tok_s"] > 0
     assert row["step_s"] > 0 and row["step_peak_gib"] > 0
     assert row["step_est_gib"] >= row["rollout_est_gib"] > 0
+    parts = [row[k] for k in ("sync_s", "rollout_s", "prox_s", "update_s")]  # the step, split
+    assert min(parts) >= 0 and row["rollout_s"] > 0 and row["update_s"] > 0
+    assert 0.5 * row["step_s"] < sum(parts) <= 1.1 * row["step_s"]
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ MALLOC_MMAP_THRESHOLD_=131072 so that freed memory leaves the resident set that 
 """
 
 import argparse
+import contextlib
 import json
 import random
 import re
@@ -430,6 +431,49 @@ def bench_gemm(args: Args, opts) -> list[dict]:
     return rows
 
 
+@contextlib.contextmanager
+def _step_parts(device):
+    """In this block qurl's sync, decode, log-prob and update functions, as train_step calls them,
+    add their seconds to the dict it yields (no-grad log-probs are pi_prox's forwards, taken out
+    of the update's own time); the real functions come back after."""
+    seconds = dict.fromkeys(("sync_s", "rollout_s", "prox_s", "update_s"), 0.0)
+    real = {name: getattr(qurl, name) for name in
+            ("sync_weights", "sample", "compiled_sample", "batch_logprobs", "update")}
+    parts = {"sync_weights": "sync_s", "sample": "rollout_s", "compiled_sample": "rollout_s",
+             "batch_logprobs": "prox_s", "update": "update_s"}
+
+    def timed(name):
+        def wrapper(*a, **kw):
+            _sync(device)
+            start = time.perf_counter()
+            out = real[name](*a, **kw)
+            _sync(device)
+            spent = time.perf_counter() - start
+            if name != "batch_logprobs" or not torch.is_grad_enabled():
+                seconds[parts[name]] += spent
+            if name == "batch_logprobs" and not torch.is_grad_enabled() and depth:
+                seconds["update_s"] -= spent  # inside update: pi_prox's, not the update's
+            return out
+        return wrapper
+
+    depth = []
+    timed_update = timed("update")
+
+    def update(*a, **kw):
+        depth.append(1)
+        try:
+            return timed_update(*a, **kw)
+        finally:
+            depth.pop()
+    for name in real:
+        setattr(qurl, name, update if name == "update" else timed(name))
+    try:
+        yield seconds
+    finally:
+        for name, fn in real.items():
+            setattr(qurl, name, fn)
+
+
 def bench_train(args: Args, opts) -> dict:
     """Whole RL steps at the real sizes: a warm-up (it allocates AdamW's state), a rollout alone,
     then BENCH_RUNS steps of train_step with --prompts-per-step x --group-size rows of
@@ -447,21 +491,27 @@ def bench_train(args: Args, opts) -> dict:
     problems = load_problems(args.test_data, "test")[: args.prompts_per_step]
     prompts = [format_prompt(p["question"], tok) for p in problems]
     coin = random.Random(args.seed)
+    real_reward = qurl.reward
     qurl.reward = lambda text, gold: float(coin.random() < 0.5)  # random weights: random rewards
     times, tok_s = [], []
-    for step in range(opts.runs + 1):
-        if step == 1:
-            _memory(device, reset=True)
-            decode = qurl.compiled_sample if args.compile else sample
-            with qurl.rollout_autocast(args.quant, device, dtype):
-                decode(rl.sampler, tok, prompts, args.group_size, args.max_new_tokens,
-                       generator=rl.generator)
-            roll_peak = _memory(device) - base
-            _memory(device, reset=True)
-        m = train_step(rl, args, problems, step)
-        if step > 0:  # step 0 warms up
-            times.append(m["perf/step_s"])
-            tok_s.append(m["perf/rollout_tok_s"])
+    try:
+        with _step_parts(device) as parts:
+            for step in range(opts.runs + 1):
+                if step == 1:
+                    _memory(device, reset=True)
+                    decode = qurl.compiled_sample if args.compile else sample
+                    with qurl.rollout_autocast(args.quant, device, dtype):
+                        decode(rl.sampler, tok, prompts, args.group_size, args.max_new_tokens,
+                               generator=rl.generator)
+                    roll_peak = _memory(device) - base
+                    _memory(device, reset=True)
+                    parts.update(dict.fromkeys(parts, 0.0))  # each timed step's parts from here
+                m = train_step(rl, args, problems, step)
+                if step > 0:  # step 0 warms up
+                    times.append(m["perf/step_s"])
+                    tok_s.append(m["perf/rollout_tok_s"])
+    finally:
+        qurl.reward = real_reward
     step_peak = _memory(device) - base
     P = check_prompt_lengths(model, tok, problems, args.max_new_tokens)
     sizes = len(prompts) * args.group_size, P, args.max_new_tokens, args.micro_batch
@@ -478,6 +528,7 @@ def bench_train(args: Args, opts) -> dict:
             "micro_batch": args.micro_batch,
             "grad_ckpt": args.grad_checkpointing,
             "step_s": sorted(times)[len(times) // 2],
+            **{key: value / len(times) for key, value in parts.items()},  # the mean step's parts
             "tok_s": sorted(tok_s)[len(tok_s) // 2],
             "rollout_peak_gib": roll_peak / 2**30,
             "rollout_est_gib": est["rollout"],
