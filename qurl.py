@@ -451,8 +451,9 @@ class Rollout:
 
 
 def _pick(logits: Tensor, temperature: float, noise: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The next token and its log-prob under p = softmax(logits / T) (no top-k or top-p: the ratio
-    would have to reproduce them). argmax(p / E), E ~ Exponential(1), is multinomial's draw."""
+    """The next token and its log-prob under p = softmax(logits / T), where it comes from (no top-k
+    or top-p, which the ratio would have to reproduce): argmax(p / E), E ~ Exponential(1) `noise`,
+    is torch.multinomial's own algorithm, with no host sync."""
     if temperature == 0:  # greedy; the log-prob is reported at T = 1
         logp = torch.log_softmax(logits.float(), dim=-1)
         token = logp.argmax(dim=-1)
