@@ -4,9 +4,10 @@
         [--max-new-tokens T] [--seed S] [--json FILE] [--plot FILE] [--layers] [--sources A,B]
     python tools/mismatch.py --plot FILE --from A.jsonl [B.jsonl ...]   (draw saved rows)
 
-Every source samples the same prompts with the same seed; the fp32 actor, teacher-forced on the
-sampled tokens, is pi_prox. The sources (built from qurl.py's own make_sampler, fake_quant,
-rollout_aligned and train_step; no second quantizer):
+Every source samples the same prompts with the same seed, on the CPU (the FP8 kernel emulated, as
+qurl.py does off a GPU); the fp32 actor, teacher-forced on the sampled tokens, is pi_prox. The
+sources, built from qurl.py's own make_sampler, fake_quant, rollout_aligned and train_step (no
+second quantizer):
 
     floor            the actor itself: the KV-cache decode against the teacher-forced forward
     fp16, bf16       the whole sampler in that dtype
@@ -191,6 +192,8 @@ def run_lab(opts) -> list[dict]:
         print(f"{source:<16}{row['kl']:>9.1e}{row['kl_exact']:>10.1e}{row['logp_absdiff']:>9.1e}"
               f"{row['ratio_max']:>10.3g}{row['w_truncated']:>8.2%}{row['ess']:>8.4f}"
               f"{row['seconds']:>6.0f}", flush=True)
+        if opts.layers:  # where the drift enters: each decoder layer's relative error
+            print(f"{'':<16}layers " + " ".join(f"{e:.0e}" for e in row["layers"]), flush=True)
         rows.append(row)
     return rows
 
