@@ -777,7 +777,7 @@ def train_step(learner: Learner, args: Args, problems: list[dict], step: int) ->
     align = args.quant if args.align_forward else None  # 4. pi_prox and the update
     with autocast(device, learner.dtype), rollout_aligned(learner.actor, align):
         logp_prox = torch.zeros_like(rollout.logp_behav)  # (B, R)
-        if not has_signal.all():  # for mismatch/*
+        if not has_signal.all():  # rows without signal: pi_prox for mismatch/* alone
             with torch.no_grad():
                 no_signal = select(batch, ~has_signal)
                 logp_prox[~has_signal] = batch_logprobs(learner.actor, no_signal, args)
