@@ -1946,6 +1946,24 @@ def test_bench_gemm_variants_compute_the_samplers_product():
     assert shapes["gate_up"][1] == shapes["gate"][1] + shapes["up"][1] == 2 * 18944
 
 
+@CUDA
+def test_cuda_bench_gemm_variants_compute_the_samplers_product():
+    """On a GPU, at a decode shape: each FP8 way within the bf16 output's rounding of the FP8
+    product of the formats' definitions (fast accumulation within 1e-2), every variant timed."""
+    bench = _script(HERE / "tools" / "bench.py", "bench")
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(256, 896, device=device, generator=gen)
+    w = torch.randn(1152, 896, device=device, generator=gen) / 30
+    fp8 = _ref_fake_quant(x, "fp8") @ _ref_fake_quant(w, "fp8").t()
+    for name, fn in bench.gemm_variants(x, w, device, tune=False).items():
+        if name in ("bf16", "fp8_act_quant_only"):
+            continue
+        tol = 1e-2 if "fast" in name else 8e-3
+        assert _rel_err(fn().double(), fp8) < tol, name
+        assert bench._gemm_ms(fn, device, 3)[0] > 0
+
+
 def test_bench_train_measures_peaks_beside_the_estimate(tmp_path):
     """bench.py train runs whole RL steps and reports the rollout's and the step's peak memory
     beside the estimate. A fresh process: freed memory of other tests would serve."""
