@@ -546,19 +546,19 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
 
 def _finish(tokenizer, input_ids, prompt_mask, n, tokens, logp_behav, end) -> Rollout:
     """The Rollout of (B, R) tokens and log-probs, (B,) first EOS, (b, P) prompts sampled n times
-    each: tokens after the first EOS become padding."""
+    each: tokens after the EOS become padding."""
     R = tokens.shape[1]
     response_mask = (torch.arange(R, device=tokens.device)[None, :] <= end[:, None]).float()
     tokens = tokens.masked_fill(response_mask == 0, tokenizer.pad_token_id)
-    texts = [row[mask.bool()].tolist() for row, mask in zip(tokens, response_mask)]
+    responses = [row[mask.bool()].tolist() for row, mask in zip(tokens, response_mask)]
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
 
     prompt_ids = input_ids.repeat_interleave(n, 0)  # (B, P)
     prompt_mask = prompt_mask.repeat_interleave(n, 0)
-    texts = tokenizer.batch_decode(texts, skip_special_tokens=True)
     ids = torch.cat([prompt_ids, tokens], dim=1)  # (B, P + R)
     attention_mask = torch.cat([prompt_mask, torch.ones_like(tokens)], dim=1)
-    return Rollout(ids, attention_mask, response_mask, logp_behav * response_mask, ids.shape[1] - R,
-                   texts, end >= R)
+    return Rollout(ids, attention_mask, response_mask, logp_behav * response_mask,
+                   input_ids.shape[1], texts, end >= R)
 
 
 # ==================== THE METHOD, 4: teacher-forced log-probs
