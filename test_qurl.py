@@ -2063,13 +2063,19 @@ def test_plot_writes_png(tmp_path):
 # ==================================================================================================
 # The file itself: copyable method functions, metric names in one place
 # ==================================================================================================
+def _defines(node) -> set[str]:
+    """The module-level names a top-level statement of qurl.py defines (def, class, assignment,
+    tuple assignment included)."""
+    import ast
+    targets = [t for t in getattr(node, "targets", [getattr(node, "target", None)]) if t]
+    names = {x.id for t in targets for x in ast.walk(t) if isinstance(x, ast.Name)}
+    return names | ({node.name} if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else set())
+
+
 def copy_table() -> dict[str, list[str]]:
     """The README's copy table: {what you want: the names of qurl.py to copy}."""
     import ast
-    defined = set()
-    for n in ast.parse(Path(qurl.__file__).read_text()).body:
-        targets = getattr(n, "targets", [getattr(n, "target", None)])
-        defined |= {getattr(n, "name", None)} | {getattr(t, "id", None) for t in targets}
+    defined = set().union(*map(_defines, ast.parse(Path(qurl.__file__).read_text()).body))
     readme = (HERE / "README.md").read_text()
     table = readme[readme.index("| you want | copy |"):].split("\n\n")[0].splitlines()[2:]
     rows = {}
@@ -2087,19 +2093,16 @@ def fresh_module(names: list[str]):
     import ast
     import types
     src = Path(qurl.__file__).read_text()
-    tree = ast.parse(src)
+    lines = src.splitlines()
     module_names, pieces = set(), []
-    for n in tree.body:
-        targets = getattr(n, "targets", [getattr(n, "target", None)])
-        named = {getattr(n, "name", None)} | {getattr(t, "id", None) for t in targets}
-        module_names |= named - {None}
-        if named & set(names):
+    for n in ast.parse(src).body:
+        module_names |= _defines(n)
+        if _defines(n) & set(names):
             start = min([d.lineno for d in getattr(n, "decorator_list", [])] + [n.lineno])
-            pieces.append("\n".join(src.splitlines()[start - 1:n.end_lineno]))
+            pieces.append("\n".join(lines[start - 1:n.end_lineno]))
     used = {x.id for piece in pieces for x in ast.walk(ast.parse(piece))
             if isinstance(x, ast.Name)} & module_names
     assert used <= set(names), ("also needs", sorted(used - set(names)))
-    lines = src.splitlines()
     header = lines[lines.index("from __future__ import annotations"):
                    lines.index("from torch import Tensor, nn") + 1]
     module = types.ModuleType(f"copied_{abs(hash(tuple(names)))}")

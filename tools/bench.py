@@ -38,13 +38,11 @@ from qurl import (  # noqa: E402
     Args,
     Learner,
     QurlError,
-    autocast,
     check_prompt_lengths,
     format_prompt,
     load_model,
     load_problems,
     make_sampler,
-    notice,
     parse_args,
     prepare_actor,
     resolve_device_dtype,
@@ -333,7 +331,8 @@ def decode_linears(config_name: str) -> dict[str, tuple[int, int]]:
 def gemm_variants(x, w, device, tune: bool = False) -> dict:
     """One decode GEMM y = x W^T, (M, K) activations, (N, K) weights, each way qurl could run it
     in FP8, beside bf16. The FP8 ones include quantizing the activations per token (as the sampler
-    does at every call); each returns a bf16 (M, N)."""
+    does at every call); each returns the (M, N) product (bf16 on CUDA), but fp8_act_quant_only,
+    the activation codes."""
     xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
     w8, w_scale = qurl.quantize_fp8(w)
     w8t, w_scale_row = w8.t(), w_scale[None, :]
@@ -369,11 +368,12 @@ def gemm_variants(x, w, device, tune: bool = False) -> dict:
 
 def _gemm_ms(fn, device, runs: int) -> tuple[float, object]:
     """Milliseconds per call of `runs` calls back to back (CUDA events: a launch's host time hides
-    behind the previous call, as in a captured decode step), after a warm-up; the last output."""
-    out = fn()
+    behind the previous call, as in a captured decode step), after a warm-up; the last output. On
+    a CPU, `_timed`'s median."""
     if device.type != "cuda":
         seconds, out = _timed(fn, device, runs)
         return seconds * 1e3, out
+    out = fn()  # the warm-up
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     _sync(device)
     start.record()
@@ -398,8 +398,8 @@ def _kernel_name(fn, device) -> str:
 def bench_gemm(args: Args, opts) -> list[dict]:
     """Milliseconds of each decode GEMM of --model-config (the 7 linears of a layer and the fused
     qkv, gate_up) at each --bench-batch row count, every way of `gemm_variants`, with the kernel it
-    ran, its error against fp32, and on CUDA the H200 roofline (bytes over bandwidth, flops over
-    the dense peak)."""
+    ran, its error against fp64, and the H200 roofline (bytes over bandwidth, flops over the dense
+    peak)."""
     device, _ = resolve_device_dtype(args.dtype)
     rows = []
     for M in map(int, opts.bench_batch.split(",")):
@@ -432,41 +432,50 @@ def bench_gemm(args: Args, opts) -> list[dict]:
 
 
 @contextlib.contextmanager
+def random_rewards(seed: int):
+    """In this block qurl's reward is a fair coin, so that random weights (or a model that gets
+    every answer wrong) still update: a group of equal rewards would not. Restored after."""
+    coin, real = random.Random(seed), qurl.reward
+    qurl.reward = lambda text, gold: float(coin.random() < 0.5)
+    try:
+        yield
+    finally:
+        qurl.reward = real
+
+
+@contextlib.contextmanager
 def _step_parts(device):
     """In this block qurl's sync, decode, log-prob and update functions, as train_step calls them,
-    add their seconds to the dict it yields (no-grad log-probs are pi_prox's forwards, taken out
-    of the update's own time); the real functions come back after."""
-    seconds = dict.fromkeys(("sync_s", "rollout_s", "prox_s", "update_s"), 0.0)
-    real = {name: getattr(qurl, name) for name in
-            ("sync_weights", "sample", "compiled_sample", "batch_logprobs", "update")}
+    add their seconds to the dict it yields: no-grad log-probs are pi_prox's forwards (taken out of
+    the update's time when the update runs them), log-probs with grad the update's own. The real
+    functions come back after."""
     parts = {"sync_weights": "sync_s", "sample": "rollout_s", "compiled_sample": "rollout_s",
              "batch_logprobs": "prox_s", "update": "update_s"}
+    real = {name: getattr(qurl, name) for name in parts}
+    seconds = dict.fromkeys(parts.values(), 0.0)
+    updating = []
 
     def timed(name):
         def wrapper(*a, **kw):
+            if name == "batch_logprobs" and torch.is_grad_enabled():  # a training forward
+                return real[name](*a, **kw)
             _sync(device)
             start = time.perf_counter()
-            out = real[name](*a, **kw)
+            updating.append(name == "update")
+            try:
+                out = real[name](*a, **kw)
+            finally:
+                updating.pop()
             _sync(device)
             spent = time.perf_counter() - start
-            if name != "batch_logprobs" or not torch.is_grad_enabled():
-                seconds[parts[name]] += spent
-            if name == "batch_logprobs" and not torch.is_grad_enabled() and depth:
-                seconds["update_s"] -= spent  # inside update: pi_prox's, not the update's
+            seconds[parts[name]] += spent
+            if name == "batch_logprobs" and any(updating):
+                seconds["update_s"] -= spent
             return out
         return wrapper
 
-    depth = []
-    timed_update = timed("update")
-
-    def update(*a, **kw):
-        depth.append(1)
-        try:
-            return timed_update(*a, **kw)
-        finally:
-            depth.pop()
-    for name in real:
-        setattr(qurl, name, update if name == "update" else timed(name))
+    for name in parts:
+        setattr(qurl, name, timed(name))
     try:
         yield seconds
     finally:
@@ -490,28 +499,22 @@ def bench_train(args: Args, opts) -> dict:
     rl = Learner(model, optimizer, make_sampler(model, args.quant, dtype), tok, generator, dtype)
     problems = load_problems(args.test_data, "test")[: args.prompts_per_step]
     prompts = [format_prompt(p["question"], tok) for p in problems]
-    coin = random.Random(args.seed)
-    real_reward = qurl.reward
-    qurl.reward = lambda text, gold: float(coin.random() < 0.5)  # random weights: random rewards
     times, tok_s = [], []
-    try:
-        with _step_parts(device) as parts:
-            for step in range(opts.runs + 1):
-                if step == 1:
-                    _memory(device, reset=True)
-                    decode = qurl.compiled_sample if args.compile else sample
-                    with qurl.rollout_autocast(args.quant, device, dtype):
-                        decode(rl.sampler, tok, prompts, args.group_size, args.max_new_tokens,
-                               generator=rl.generator)
-                    roll_peak = _memory(device) - base
-                    _memory(device, reset=True)
-                    parts.update(dict.fromkeys(parts, 0.0))  # each timed step's parts from here
-                m = train_step(rl, args, problems, step)
-                if step > 0:  # step 0 warms up
-                    times.append(m["perf/step_s"])
-                    tok_s.append(m["perf/rollout_tok_s"])
-    finally:
-        qurl.reward = real_reward
+    with random_rewards(args.seed), _step_parts(device) as parts:  # random weights: random rewards
+        for step in range(opts.runs + 1):
+            if step == 1:
+                _memory(device, reset=True)
+                decode = qurl.compiled_sample if args.compile else sample
+                with qurl.rollout_autocast(args.quant, device, dtype):
+                    decode(rl.sampler, tok, prompts, args.group_size, args.max_new_tokens,
+                           generator=rl.generator)
+                roll_peak = _memory(device) - base
+                _memory(device, reset=True)
+                parts.update(dict.fromkeys(parts, 0.0))  # each timed step's parts from here
+            m = train_step(rl, args, problems, step)
+            if step > 0:  # step 0 warms up
+                times.append(m["perf/step_s"])
+                tok_s.append(m["perf/rollout_tok_s"])
     step_peak = _memory(device) - base
     P = check_prompt_lengths(model, tok, problems, args.max_new_tokens)
     sizes = len(prompts) * args.group_size, P, args.max_new_tokens, args.micro_batch

@@ -35,7 +35,6 @@ import argparse
 import copy
 import json
 import math
-import random
 import sys
 import time
 from pathlib import Path
@@ -44,8 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 import qurl  # noqa: E402
+from bench import random_rewards  # noqa: E402
 
 SOURCES = ["floor", "fp16", "bf16", "lm_head_bf16", "fp8_weights", "fp8_activations", "fp8",
            "int8", "nf4", "stale", "fp8_aligned"]
@@ -83,12 +83,8 @@ def take_stale_step(actor: nn.Module, tokenizer, problems: list[dict], opts) -> 
     args = qurl.Args(model=opts.model, quant="none", prompts_per_step=opts.prompts,
                      group_size=opts.group_size, max_new_tokens=opts.max_new_tokens,
                      lr=opts.stale_lr, micro_batch=16)
-    coin = random.Random(opts.seed)
-    real_reward, qurl.reward = qurl.reward, lambda text, gold: float(coin.random() < 0.5)
-    try:
+    with random_rewards(opts.seed):
         qurl.train_step(learner, args, problems, step=1)
-    finally:
-        qurl.reward = real_reward
     return trained.eval()
 
 
@@ -167,8 +163,7 @@ def run_lab(opts) -> list[dict]:
     actor, tokenizer = qurl.load_model(opts.model, "cpu", torch.float32)
     qurl.prepare_actor(actor)
     actor.eval()
-    problems = qurl.load_problems(opts.problems, "test")
-    problems = problems[:opts.prompts]
+    problems = qurl.load_problems(opts.problems, "test")[:opts.prompts]
     prompts = [qurl.format_prompt(p["question"], tokenizer) for p in problems]
     print(f"{Path(opts.model).name}: {len(prompts)} prompts x {opts.group_size} samples x "
           f"{opts.max_new_tokens} new tokens, seed {opts.seed}, pi_prox the fp32 actor")
