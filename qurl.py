@@ -1308,14 +1308,15 @@ def main(argv=None) -> None:
 
 # ==================== APPENDIX B: a compiled decode (--compile), for speed alone
 DECODERS = weakref.WeakKeyDictionary()  # sampler -> {shape: StaticDecoder, or None: not compiled}
+FUSED = weakref.WeakKeyDictionary()  # sampler -> [(q/k/v linear, gate/up linear) of each layer]
 
 
 @torch.no_grad()
 def compiled_sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64,
                     temperature: float = 1.0, generator: torch.Generator | None = None) -> Rollout:
-    """`sample` with a static KV cache and a compiled step (a CUDA graph on a GPU): its tokens and
-    log-probs up to float sums, at a few launches a token, not ~1,000. What does not compile is
-    decoded by `sample`, said once."""
+    """`sample` with a static KV cache and compiled layers (a CUDA graph a step on a GPU): its
+    tokens and log-probs up to float sums, at a dozen launches a layer, not ~50. What does not
+    compile is decoded by `sample`, said once."""
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
                         padding_side="left", pad_to_multiple_of=64).to(model.device)  # few shapes
     input_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]  # (b, P)
@@ -1325,8 +1326,8 @@ def compiled_sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_to
     try:
         if None not in decoders.values():
             if shape not in decoders:
-                decoders[shape] = StaticDecoder(model, *shape)
-            return decoders[shape].run(tokenizer, input_ids, prompt_mask, n, generator)
+                decoders[shape] = StaticDecoder(model, tokenizer, *shape)
+            return decoders[shape].run(input_ids, prompt_mask, n, generator)
     except Exception as e:  # noqa: BLE001
         decoders[shape] = None
         fmt = next((m.fmt for m in model.modules() if isinstance(m, QuantLinear)), model.dtype)
@@ -1335,16 +1336,47 @@ def compiled_sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_to
     return sample(model, tokenizer, prompts, n, max_new_tokens, temperature, generator)
 
 
+@torch.no_grad()
+def fuse(linears: list[nn.Module]) -> nn.Module:
+    """One linear for `linears` side by side (vLLM's QKVParallelLinear): one GEMM and one activation
+    quantization, not three. Codes and scales are per output row (NF4: per 64 weights of a row),
+    so the fused ones are the separate ones, concatenated. The separate tensors become row views
+    of the fused ones (`.data`: modules, parameters and optimizers keep theirs), so that
+    `sync_weights` (or an optimizer's step) refreshes both in place."""
+    fused = copy.deepcopy(linears[0])  # NF4's state shares its absmax tensor: it follows
+    for name, whole in [*fused.named_parameters(), *fused.named_buffers()]:
+        parts = [getattr(linear, name) for linear in linears]
+        whole.data = whole.new_empty((sum(len(part) for part in parts), *whole.shape[1:]))
+        for part, rows in zip(parts, whole.data.split([len(part) for part in parts])):
+            rows.copy_(part)  # (not torch.cat: autocast refuses FP8)
+            part.data = rows
+    fused.out_features = sum(linear.out_features for linear in linears)
+    if getattr(fused, "nf4_state", None):
+        if fused.in_features % NF4_BLOCK:  # a block would straddle two rows
+            raise ValueError(f"NF4 rows of {fused.in_features} weights do not fuse")
+        fused.nf4_state.shape = torch.Size((fused.out_features, fused.in_features))
+    return fused
+
+
 class StaticDecoder:
     """A decode loop in static buffers (B rows, C = P + R cache columns): one decoder layer
-    compiled, run for every layer; on a GPU a step captured as a CUDA graph. The weights are read
-    in place."""
+    compiled, run for every layer, for the prefill and for each step; on a GPU a step is captured
+    as a CUDA graph. The weights are read in place."""
 
-    def __init__(self, model, rows, width, max_new_tokens, temperature):
+    def __init__(self, model, tokenizer, rows, width, max_new_tokens, temperature):
         import torch._inductor.config
         torch._inductor.config.emulate_precision_casts = True  # bf16 rounding exactly as eager
         device, long = next(model.parameters()).device, torch.long
         self.model, self.width, self.temperature = model, width, temperature
+        self.tokenizer, self.pad = tokenizer, tokenizer.pad_token_id
+        self.stop_ids = torch.tensor(stop_token_ids(model, tokenizer), device=device)
+        if model not in FUSED:
+            FUSED[model] = [(fuse([layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                   layer.self_attn.v_proj]),
+                             fuse([layer.mlp.gate_proj, layer.mlp.up_proj]))
+                            for layer in model.model.layers]
+        self.fused = FUSED[model]
+
         self.cache, self.graph = None, None  # K, V: (layers, B, H_kv, C, D) each
         self.cache_columns = torch.arange(width + max_new_tokens, device=device)  # (C,)
         self.valid = torch.ones(rows, len(self.cache_columns), dtype=torch.bool, device=device)
@@ -1363,16 +1395,11 @@ class StaticDecoder:
         self.decoder_layer = torch.compile(decoder_layer, dynamic=False)
         self.unembed = torch.compile(self.unembed, dynamic=False)
 
-    def run(self, tokenizer, input_ids, prompt_mask, n, generator) -> Rollout:
-        """`_prefill` into the static cache, then the steps (a host sync every SYNC_EVERY)."""
-        logits, cache, _, stop_ids = _prefill(self.model, tokenizer, input_ids, prompt_mask)
-        cache.batch_repeat_interleave(n)
+    def run(self, input_ids, prompt_mask, n, generator) -> Rollout:
+        """The (b, P) prompts, n rows each: the prefill draws the first token, a step each next
+        one (a host sync every SYNC_EVERY)."""
         if self.cache is None:
-            self.pad, self.stop_ids = tokenizer.pad_token_id, stop_ids
-            self.allocate(cache, logits.device)
-        for i, layer in enumerate(cache.layers):
-            self.cache[0][i, :, :, :self.width] = layer.keys
-            self.cache[1][i, :, :, :self.width] = layer.values
+            self.allocate(input_ids.device)
         self.valid[:, :self.width] = prompt_mask.repeat_interleave(n, 0).bool()
         self.position.copy_(prompt_mask.sum(-1).repeat_interleave(n, 0) - 1)
         self.column.fill_(self.width - 1)
@@ -1386,26 +1413,25 @@ class StaticDecoder:
                 break
             if self.temperature:
                 self.noise.exponential_(generator=generator)
-            if t == 0:  # the prefill's logits
-                self.record(logits.repeat_interleave(n, 0))
+            if t == 0:
+                self.prefill(input_ids, prompt_mask, n)
             elif self.graph is not None:
                 self.graph.replay()
             else:
                 self.step()
-        return _finish(tokenizer, input_ids, prompt_mask, n, self.tokens[:, :steps].clone(),
+        return _finish(self.tokenizer, input_ids, prompt_mask, n, self.tokens[:, :steps].clone(),
                        self.logp[:, :steps].clone(), self.end.clone())
 
-    def allocate(self, cache, device: torch.device):
+    def allocate(self, device: torch.device):
         """K, V in the dtype attention reads (not autocast's fp32 K); on a GPU, compile (two steps
         on a side stream: their writes are rewritten before read) and capture a step."""
-        dtype = None
+        attention, rows, columns = self.model.model.layers[0].self_attn, *self.valid.shape
+        dtype = self.model.model.embed_tokens.weight.dtype
         if torch.is_autocast_enabled(device.type):
             dtype = torch.get_autocast_dtype(device.type)
-        self.cache = []
-        layers, (rows, columns) = len(cache.layers), self.valid.shape
-        for t in (cache.layers[0].keys, cache.layers[0].values):
-            shape = (layers, rows, t.shape[1], columns, t.shape[3])
-            self.cache.append(t.new_zeros(shape, dtype=dtype or t.dtype))
+        heads = attention.k_proj.out_features // attention.head_dim  # H_kv
+        shape = (len(self.fused), rows, heads, columns, attention.head_dim)
+        self.cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in "kv"]
         self.column.fill_(self.width - 1)
         if device.type != "cuda":
             return
@@ -1420,22 +1446,45 @@ class StaticDecoder:
         with torch.cuda.graph(self.graph):
             self.step()
 
+    def prefill(self, input_ids, prompt_mask, n):
+        """The (b, P) prompts through the compiled layers, each prompt's K, V into its n rows'
+        first P cache columns; its last position's logits draw the first token."""
+        (b, P), (_, rows, heads, _, D) = input_ids.shape, self.cache[0].shape
+        columns = self.cache_columns[:P]  # (P,)
+        causal = columns[:, None] >= columns  # (P, P): query column >= key column
+        mask = causal & (prompt_mask.bool()[:, None, :] | torch.eye(P, dtype=torch.bool,
+                                                                 device=columns.device))
+        positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # (b, P), as in `_prefill`
+        x = self.model.model.embed_tokens(input_ids)  # (b, P, hidden)
+        delta = torch.zeros_like(x, dtype=self.cache[1].dtype)  # a layer output's dtype
+
+        for i, layer in enumerate(self.model.model.layers):
+            k, v = (cache.new_zeros(b, heads, P, D) for cache in self.cache)  # (b, H_kv, P, D)
+            x, delta = self.decoder_layer(layer, self.fused[i], x, delta, self.cos[positions],
+                                          self.sin[positions], k, v, columns, mask[:, None])
+            self.cache[0][i, :, :, :P] = k.repeat_interleave(n, 0)
+            self.cache[1][i, :, :, :P] = v.repeat_interleave(n, 0)
+        self.unembed(x[:, -1:].repeat_interleave(n, 0), delta[:, -1:].repeat_interleave(n, 0))
+
     def step(self):
         """The last tokens through every layer, then the next ones: three compiled functions."""
-        x, cos, sin, mask = self.embed()
+        x, delta, cos, sin, mask = self.embed()
         for i, layer in enumerate(self.model.model.layers):
-            k_cache, v_cache = self.cache[0][i], self.cache[1][i]
-            x = self.decoder_layer(layer, x, cos, sin, k_cache, v_cache, self.column, mask)
-        self.unembed(x)
+            k_cache, v_cache = self.cache[0][i], self.cache[1][i]  # (B, H_kv, C, D)
+            x, delta = self.decoder_layer(layer, self.fused[i], x, delta, cos, sin, k_cache,
+                                          v_cache, self.column, mask)
+        self.unembed(x, delta)
 
     def embed(self):
-        """The last tokens' (B, 1, hidden) embeddings, RoPE angles, (B, 1, 1, C) attention mask."""
+        """The last tokens' (B, 1, hidden) embeddings and zeros (the residual's first delta), RoPE
+        angles (B, 1, D), the (B, 1, 1, C) attention mask."""
         mask = (self.valid & (self.cache_columns <= self.column))[:, None, None, :]
         cos, sin = self.cos[self.position, None], self.sin[self.position, None]
-        return self.model.model.embed_tokens(self.token[:, None]), cos, sin, mask
+        x = self.model.model.embed_tokens(self.token[:, None])
+        return x, torch.zeros_like(x, dtype=self.cache[1].dtype), cos, sin, mask
 
-    def unembed(self, x):
-        self.record(self.model.lm_head(self.model.model.norm(x))[:, -1])  # (B, V)
+    def unembed(self, x, delta):
+        self.record(self.model.lm_head(self.model.model.norm(x + delta))[:, -1])  # (B, V)
 
     def record(self, logits):
         """Each row's next token and log-prob into the outputs (`sample`'s loop body)."""
@@ -1458,25 +1507,28 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + torch.cat((-x[..., mid:], x[..., :mid]), -1) * sin[:, None]
 
 
-def decoder_layer(layer, x, cos, sin, k_cache, v_cache, column, mask):
-    """A decoder layer over (B, S, hidden) new tokens: K, V into the (B, H_kv, C, D) caches at
-    `column`; each K/V head's query heads packed as rows of one attention (repeating K/V for
-    grouped-query attention would copy the cache every step)."""
-    attention, (B, S, _), D = layer.self_attn, x.shape, k_cache.shape[-1]
-    h = layer.input_layernorm(x)
-    q, k, v = (proj(h).view(B, S, -1, D).transpose(1, 2)  # (B, H or H_kv, S, D)
-               for proj in (attention.q_proj, attention.k_proj, attention.v_proj))
+def decoder_layer(layer, fused, x, delta, cos, sin, k_cache, v_cache, column, mask):
+    """A decoder layer over (B, S, hidden) new tokens whose input is x + delta: the layer before
+    leaves its MLP's output to this layer's first RMSNorm kernel (vLLM's fused add-norm) and
+    returns (x, its own MLP's output). `fused`: this layer's (q/k/v, gate/up) linears. K, V go
+    into the (B, H_kv, C, D) caches at `column`; each K/V head's query heads are packed as rows of
+    one attention (repeating K/V for grouped-query attention would copy the cache every step)."""
+    attention, (B, S, _), (H_kv, D) = layer.self_attn, x.shape, k_cache.shape[1::2]
+    x = x + delta
+    heads = fused[0](layer.input_layernorm(x)).view(B, S, -1, D).transpose(1, 2)  # (B, H', S, D)
+    q, k, v = heads.split([heads.shape[1] - 2 * H_kv, H_kv, H_kv], 1)  # H' = H + 2 H_kv
     if hasattr(attention, "q_norm"):  # Qwen3
         q, k = attention.q_norm(q), attention.k_norm(k)
-    k_cache.index_copy_(2, column, _rope(k, cos, sin))
-    v_cache.index_copy_(2, column, v)
+    k_cache.index_copy_(2, column, _rope(k, cos, sin).to(k_cache.dtype))
+    v_cache.index_copy_(2, column, v.to(v_cache.dtype))
 
-    groups = q.shape[1] // k_cache.shape[1]  # (B, H, S, D) -> (B, H_kv, groups S, D)
-    q = _rope(q, cos, sin).reshape(B, k_cache.shape[1], groups * S, D)
+    groups = q.shape[1] // H_kv  # (B, H, S, D) -> (B, H_kv, groups S, D)
+    q = _rope(q, cos, sin).reshape(B, H_kv, groups * S, D)
     out = F.scaled_dot_product_attention(q, k_cache, v_cache, mask.repeat(1, 1, groups, 1),
                                          scale=attention.scaling)
     x = x + attention.o_proj(out.view(B, -1, S, D).transpose(1, 2).reshape(B, S, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    gate, up = fused[1](layer.post_attention_layernorm(x)).chunk(2, -1)  # (B, S, I) each
+    return x, layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
 
 if __name__ == "__main__":

@@ -299,14 +299,16 @@ def bench_kernels(args: Args, opts) -> list[dict]:
             re.M,
         )
         calls = [len(call.findall(code[code.find("def call(") :])) for code in codes]
-        # the decoder layer's graph (the one with attention) runs once per layer
-        per_layer = [n for n, code in zip(calls, codes) if "scaled_dot_product" in code]
+        # the decoder layer's graphs (those with attention) run once per layer: the prefill's
+        # (compiled first), then the step's; the step's other graphs run once a token
+        prefill, per_layer = [n for n, code in zip(calls, codes) if "scaled_dot_product" in code]
         row = {
             "model": opts.model_config or Path(args.model).name,
             "quant": fmt,
             "eager_kernels_per_token": counts[1] - counts[0],
-            "compiled_kernels_per_token": sum(calls) + sum(per_layer) * (layers - 1),
-            "compiled_layer_kernels": sum(per_layer),
+            "compiled_kernels_per_token": sum(calls) - prefill + per_layer * (layers - 1),
+            "compiled_layer_kernels": per_layer,
+            "compiled_prefill_kernels": prefill * layers,
             "compiled_graphs": len(codes),
             "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
         }
