@@ -1308,15 +1308,13 @@ def main(argv=None) -> None:
 
 # ==================== APPENDIX B: a compiled decode (--compile), for speed alone
 DECODERS = weakref.WeakKeyDictionary()  # sampler -> {shape: StaticDecoder, or None: not compiled}
-FUSED = weakref.WeakKeyDictionary()  # sampler -> [(q/k/v linear, gate/up linear) of each layer]
 
 
 @torch.no_grad()
 def compiled_sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64,
                     temperature: float = 1.0, generator: torch.Generator | None = None) -> Rollout:
-    """`sample` with a static KV cache and compiled layers (a CUDA graph a step on a GPU): its
-    tokens and log-probs up to float sums, at a dozen launches a layer, not ~50. What does not
-    compile is decoded by `sample`, said once."""
+    """`sample` through compiled layers (a step a CUDA graph on a GPU): its tokens and log-probs
+    up to float sums, at ~10 launches a layer, not ~50; else `sample`'s, said once."""
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
                         padding_side="left", pad_to_multiple_of=64).to(model.device)  # few shapes
     input_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]  # (b, P)
@@ -1330,62 +1328,56 @@ def compiled_sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_to
             return decoders[shape].run(input_ids, prompt_mask, n, generator)
     except Exception as e:  # noqa: BLE001
         decoders[shape] = None
-        fmt = next((m.fmt for m in model.modules() if isinstance(m, QuantLinear)), model.dtype)
-        warnings.warn(f"--compile: the {fmt} sampler does not compile here ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0]:.100}); decoding eagerly")
+        warnings.warn(f"--compile: decoding eagerly ({type(e).__name__}: {str(e):.100})")
     return sample(model, tokenizer, prompts, n, max_new_tokens, temperature, generator)
 
 
 @torch.no_grad()
 def fuse(linears: list[nn.Module]) -> nn.Module:
-    """One linear for `linears` side by side (vLLM's QKVParallelLinear): one GEMM and one activation
-    quantization, not three. Codes and scales are per output row (NF4: per 64 weights of a row),
-    so the fused ones are the separate ones, concatenated. The separate tensors become row views
-    of the fused ones (`.data`: modules, parameters and optimizers keep theirs), so that
-    `sync_weights` (or an optimizer's step) refreshes both in place."""
-    fused = copy.deepcopy(linears[0])  # NF4's state shares its absmax tensor: it follows
+    """One linear for several on one input (vLLM's QKVParallelLinear): one GEMM and activation
+    quantization, not three. Codes and scales are per output row (NF4: per 64 weights of a row):
+    stacked, they are the fused ones, and the separate tensors become views of its rows (`.data`:
+    optimizers keep theirs), which an in-place sync refreshes."""
+    fused = copy.deepcopy(linears[0])  # NF4's state holds its absmax tensor: it follows
     for name, whole in [*fused.named_parameters(), *fused.named_buffers()]:
         parts = [getattr(linear, name) for linear in linears]
-        whole.data = whole.new_empty((sum(len(part) for part in parts), *whole.shape[1:]))
-        for part, rows in zip(parts, whole.data.split([len(part) for part in parts])):
-            rows.copy_(part)  # (not torch.cat: autocast refuses FP8)
-            part.data = rows
+        sizes = [len(part) for part in parts]
+        whole.data = whole.new_empty((sum(sizes), *whole.shape[1:]))
+        for part, rows in zip(parts, whole.data.split(sizes)):
+            part.data = rows.copy_(part)  # (torch.cat refuses FP8 under autocast)
     fused.out_features = sum(linear.out_features for linear in linears)
     if getattr(fused, "nf4_state", None):
-        if fused.in_features % NF4_BLOCK:  # a block would straddle two rows
-            raise ValueError(f"NF4 rows of {fused.in_features} weights do not fuse")
+        assert fused.in_features % NF4_BLOCK == 0, "NF4 blocks would span rows"
         fused.nf4_state.shape = torch.Size((fused.out_features, fused.in_features))
     return fused
 
 
 class StaticDecoder:
-    """A decode loop in static buffers (B rows, C = P + R cache columns): one decoder layer
-    compiled, run for every layer, for the prefill and for each step; on a GPU a step is captured
-    as a CUDA graph. The weights are read in place."""
+    """B rows in static buffers of C = P + R cache columns; one compiled decoder layer run for
+    every layer, in the prefill and each step."""
 
     def __init__(self, model, tokenizer, rows, width, max_new_tokens, temperature):
         import torch._inductor.config
         torch._inductor.config.emulate_precision_casts = True  # bf16 rounding exactly as eager
-        device, long = next(model.parameters()).device, torch.long
-        self.model, self.width, self.temperature = model, width, temperature
-        self.tokenizer, self.pad = tokenizer, tokenizer.pad_token_id
+        device = next(model.parameters()).device
+        long = {"dtype": torch.long, "device": device}
+        self.model, self.tokenizer, self.width, self.temp = model, tokenizer, width, temperature
         self.stop_ids = torch.tensor(stop_token_ids(model, tokenizer), device=device)
-        if model not in FUSED:
-            FUSED[model] = [(fuse([layer.self_attn.q_proj, layer.self_attn.k_proj,
-                                   layer.self_attn.v_proj]),
-                             fuse([layer.mlp.gate_proj, layer.mlp.up_proj]))
-                            for layer in model.model.layers]
-        self.fused = FUSED[model]
+        for layer in model.model.layers:  # once: the separate linears become views of these
+            attention, mlp = layer.self_attn, layer.mlp  # (a tuple: not a submodule)
+            if not hasattr(layer, "fused"):
+                layer.fused = (fuse([attention.q_proj, attention.k_proj, attention.v_proj]),
+                               fuse([mlp.gate_proj, mlp.up_proj]))
+        self.cache, self.graph = None, None
 
-        self.cache, self.graph = None, None  # K, V: (layers, B, H_kv, C, D) each
         self.cache_columns = torch.arange(width + max_new_tokens, device=device)  # (C,)
         self.valid = torch.ones(rows, len(self.cache_columns), dtype=torch.bool, device=device)
-        self.token = torch.zeros(rows, dtype=long, device=device)  # (B,): the last token drawn
-        self.position = torch.zeros(rows, dtype=long, device=device)  # (B,): its RoPE position
-        self.column = torch.zeros(1, dtype=long, device=device)  # its cache column
-        self.end = torch.zeros(rows, dtype=long, device=device)  # (B,): the first EOS's index
+        self.token = torch.zeros(rows, **long)  # (B,): the last token drawn
+        self.position = torch.zeros(rows, **long)  # (B,): its RoPE position
+        self.column = torch.zeros(1, **long)  # its cache column
+        self.end = torch.zeros(rows, **long)  # (B,): the first EOS's index
         self.done = torch.zeros(rows, dtype=torch.bool, device=device)  # (B,)
-        self.tokens = torch.zeros(rows, max_new_tokens, dtype=long, device=device)  # (B, R)
+        self.tokens = torch.zeros(rows, max_new_tokens, **long)  # (B, R)
         self.logp = torch.zeros(rows, max_new_tokens, device=device)  # (B, R)
         self.noise = torch.ones(rows, model.config.vocab_size, device=device)  # (B, V)
 
@@ -1396,8 +1388,8 @@ class StaticDecoder:
         self.unembed = torch.compile(self.unembed, dynamic=False)
 
     def run(self, input_ids, prompt_mask, n, generator) -> Rollout:
-        """The (b, P) prompts, n rows each: the prefill draws the first token, a step each next
-        one (a host sync every SYNC_EVERY)."""
+        """The (b, P) prompts, n rows each: the prefill draws the first tokens, the steps the rest
+        (a host sync every SYNC_EVERY)."""
         if self.cache is None:
             self.allocate(input_ids.device)
         self.valid[:, :self.width] = prompt_mask.repeat_interleave(n, 0).bool()
@@ -1411,7 +1403,7 @@ class StaticDecoder:
             if t and t % SYNC_EVERY == 0 and bool(self.done.all()):
                 steps = t
                 break
-            if self.temperature:
+            if self.temp:
                 self.noise.exponential_(generator=generator)
             if t == 0:
                 self.prefill(input_ids, prompt_mask, n)
@@ -1423,16 +1415,16 @@ class StaticDecoder:
                        self.logp[:, :steps].clone(), self.end.clone())
 
     def allocate(self, device: torch.device):
-        """K, V in the dtype attention reads (not autocast's fp32 K); on a GPU, compile (two steps
-        on a side stream: their writes are rewritten before read) and capture a step."""
-        attention, rows, columns = self.model.model.layers[0].self_attn, *self.valid.shape
+        """K, V in the dtype attention reads (autocast's); on a GPU, compile (two steps on a side
+        stream: their writes are rewritten before read) and capture a step."""
         dtype = self.model.model.embed_tokens.weight.dtype
         if torch.is_autocast_enabled(device.type):
             dtype = torch.get_autocast_dtype(device.type)
-        heads = attention.k_proj.out_features // attention.head_dim  # H_kv
-        shape = (len(self.fused), rows, heads, columns, attention.head_dim)
-        self.cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in "kv"]
-        self.column.fill_(self.width - 1)
+        layers, (rows, columns) = self.model.model.layers, self.valid.shape
+        D = layers[0].self_attn.head_dim
+        heads = layers[0].self_attn.k_proj.out_features // D  # H_kv
+        shape = (len(layers), rows, heads, columns, D)  # (layers, B, H_kv, C, D)
+        self.cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in "KV"]
         if device.type != "cuda":
             return
 
@@ -1447,50 +1439,48 @@ class StaticDecoder:
             self.step()
 
     def prefill(self, input_ids, prompt_mask, n):
-        """The (b, P) prompts through the compiled layers, each prompt's K, V into its n rows'
-        first P cache columns; its last position's logits draw the first token."""
-        (b, P), (_, rows, heads, _, D) = input_ids.shape, self.cache[0].shape
-        columns = self.cache_columns[:P]  # (P,)
-        causal = columns[:, None] >= columns  # (P, P): query column >= key column
-        mask = causal & (prompt_mask.bool()[:, None, :] | torch.eye(P, dtype=torch.bool,
-                                                                 device=columns.device))
+        """The (b, P) prompts through the layers, K, V into the first of each one's n rows, then
+        copied; the last position's logits draw the first tokens."""
+        P = input_ids.shape[1]
+        columns = self.cache_columns[:P, None]  # (P, 1): a prompt token's cache column
+        seen = self.valid[::n, None, None] | (self.cache_columns == columns)  # a pad sees itself
+        mask = seen & (self.cache_columns <= columns)  # (b, 1, P, C)
         positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # (b, P), as in `_prefill`
         x = self.model.model.embed_tokens(input_ids)  # (b, P, hidden)
-        delta = torch.zeros_like(x, dtype=self.cache[1].dtype)  # a layer output's dtype
-
-        for i, layer in enumerate(self.model.model.layers):
-            k, v = (cache.new_zeros(b, heads, P, D) for cache in self.cache)  # (b, H_kv, P, D)
-            x, delta = self.decoder_layer(layer, self.fused[i], x, delta, self.cos[positions],
-                                          self.sin[positions], k, v, columns, mask[:, None])
-            self.cache[0][i, :, :, :P] = k.repeat_interleave(n, 0)
-            self.cache[1][i, :, :, :P] = v.repeat_interleave(n, 0)
-        self.unembed(x[:, -1:].repeat_interleave(n, 0), delta[:, -1:].repeat_interleave(n, 0))
+        delta = torch.zeros_like(x, dtype=self.cache[1].dtype)
+        x, delta = self.layers(x, delta, self.cos[positions], self.sin[positions], columns[:, 0],
+                               mask, slice(None, None, n))
+        for cache in self.cache:
+            rows = cache[:, :, :, :P].unflatten(1, (-1, n))  # (layers, b, n, H_kv, P, D)
+            rows[:, :, 1:] = rows[:, :, :1]
+        self.unembed(x.repeat_interleave(n, 0), delta.repeat_interleave(n, 0))
 
     def step(self):
         """The last tokens through every layer, then the next ones: three compiled functions."""
         x, delta, cos, sin, mask = self.embed()
+        self.unembed(*self.layers(x, delta, cos, sin, self.column, mask))
+
+    def layers(self, x, delta, cos, sin, column, mask, rows=slice(None)):
+        """(rows, S, hidden) tokens through every layer, K, V into the cache's `rows`."""
         for i, layer in enumerate(self.model.model.layers):
-            k_cache, v_cache = self.cache[0][i], self.cache[1][i]  # (B, H_kv, C, D)
-            x, delta = self.decoder_layer(layer, self.fused[i], x, delta, cos, sin, k_cache,
-                                          v_cache, self.column, mask)
-        self.unembed(x, delta)
+            x, delta = self.decoder_layer(layer, x, delta, cos, sin, self.cache[0][i, rows],
+                                          self.cache[1][i, rows], column, mask)
+        return x[:, -1:], delta[:, -1:]
 
     def embed(self):
-        """The last tokens' (B, 1, hidden) embeddings and zeros (the residual's first delta), RoPE
-        angles (B, 1, D), the (B, 1, 1, C) attention mask."""
+        """(B, 1, hidden) embeddings, zeros (a first delta), (B, 1, D) RoPE angles, (B, 1, 1, C)
+        attention mask."""
         mask = (self.valid & (self.cache_columns <= self.column))[:, None, None, :]
         cos, sin = self.cos[self.position, None], self.sin[self.position, None]
         x = self.model.model.embed_tokens(self.token[:, None])
         return x, torch.zeros_like(x, dtype=self.cache[1].dtype), cos, sin, mask
 
     def unembed(self, x, delta):
-        self.record(self.model.lm_head(self.model.model.norm(x + delta))[:, -1])  # (B, V)
-
-    def record(self, logits):
         """Each row's next token and log-prob into the outputs (`sample`'s loop body)."""
-        token, logp = _pick(logits, self.temperature, self.noise)
+        logits = self.model.lm_head(self.model.model.norm(x + delta))[:, -1]  # (B, V)
+        token, logp = _pick(logits, self.temp, self.noise)
         t = self.column - self.width + 1  # the output column of the token drawn
-        token = torch.where(self.done, self.pad, token)
+        token = torch.where(self.done, self.tokenizer.pad_token_id, token)
         self.tokens.index_copy_(1, t, token[:, None])
         self.logp.index_copy_(1, t, logp[:, None])
         finished = torch.isin(token, self.stop_ids) & ~self.done
@@ -1507,16 +1497,14 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + torch.cat((-x[..., mid:], x[..., :mid]), -1) * sin[:, None]
 
 
-def decoder_layer(layer, fused, x, delta, cos, sin, k_cache, v_cache, column, mask):
-    """A decoder layer over (B, S, hidden) new tokens whose input is x + delta: the layer before
-    leaves its MLP's output to this layer's first RMSNorm kernel (vLLM's fused add-norm) and
-    returns (x, its own MLP's output). `fused`: this layer's (q/k/v, gate/up) linears. K, V go
-    into the (B, H_kv, C, D) caches at `column`; each K/V head's query heads are packed as rows of
-    one attention (repeating K/V for grouped-query attention would copy the cache every step)."""
+def decoder_layer(layer, x, delta, cos, sin, k_cache, v_cache, column, mask):
+    """A layer over (B, S, hidden) tokens x + delta: the last layer's MLP out, added in this norm's
+    kernel (vLLM's fused add-norm); returns (x, its MLP out). K, V into (B, H_kv, C, D) caches;
+    a K/V head's queries are rows of one attention (repeat_kv would copy the cache)."""
     attention, (B, S, _), (H_kv, D) = layer.self_attn, x.shape, k_cache.shape[1::2]
     x = x + delta
-    heads = fused[0](layer.input_layernorm(x)).view(B, S, -1, D).transpose(1, 2)  # (B, H', S, D)
-    q, k, v = heads.split([heads.shape[1] - 2 * H_kv, H_kv, H_kv], 1)  # H' = H + 2 H_kv
+    heads = layer.fused[0](layer.input_layernorm(x)).view(B, S, -1, D).transpose(1, 2)
+    q, k, v = heads.split([heads.shape[1] - 2 * H_kv, H_kv, H_kv], 1)  # (B, H + 2 H_kv, S, D)
     if hasattr(attention, "q_norm"):  # Qwen3
         q, k = attention.q_norm(q), attention.k_norm(k)
     k_cache.index_copy_(2, column, _rope(k, cos, sin).to(k_cache.dtype))
@@ -1527,7 +1515,7 @@ def decoder_layer(layer, fused, x, delta, cos, sin, k_cache, v_cache, column, ma
     out = F.scaled_dot_product_attention(q, k_cache, v_cache, mask.repeat(1, 1, groups, 1),
                                          scale=attention.scaling)
     x = x + attention.o_proj(out.view(B, -1, S, D).transpose(1, 2).reshape(B, S, -1))
-    gate, up = fused[1](layer.post_attention_layernorm(x)).chunk(2, -1)  # (B, S, I) each
+    gate, up = layer.fused[1](layer.post_attention_layernorm(x)).chunk(2, -1)  # (B, S, I) each
     return x, layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
 

@@ -1834,6 +1834,68 @@ def test_compiled_decode_never_recompiles_and_reads_fresh_weights(tiny, problems
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.parametrize("quant", ["fp8", "int8", "nf4", "bf16", "none"])
+def test_fuse_stacks_the_separate_codes_and_follows_every_sync(tiny, quant):
+    """The compiled decode's q/k/v and gate/up linears (`fuse`) hold exactly the codes and scales
+    of quantizing each actor linear alone (bitsandbytes' own for INT8 and NF4), before and after
+    an optimizer step and `sync_weights` (for the actor itself, after the step alone); NF4's fused
+    state dequantizes (bitsandbytes) to the separate values; the separate modules compute as
+    before, and the fused one's output is theirs side by side."""
+    import copy
+    import bitsandbytes.functional as bnbF
+    model = copy.deepcopy(tiny[0]).train()
+    sampler = qurl.make_sampler(model, quant, torch.float32)
+    names = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+             ["mlp.gate_proj", "mlp.up_proj"]]
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = x.to(torch.bfloat16) if quant == "bf16" else x
+    fused, separate = [], []
+    for layer in sampler.model.layers:
+        for group in names:
+            linears = [layer.get_submodule(name) for name in group]
+            outputs = [linear(x) for linear in linears]
+            fused.append(qurl.fuse(linears))
+            separate.append(linears)
+            assert all(torch.equal(linear(x), y) for linear, y in zip(linears, outputs))
+
+    def expected(weight):  # (codes, scales) of one actor linear, quantized on its own
+        weight = weight.detach()
+        if quant == "fp8":
+            return qurl.quantize_fp8(weight)
+        if quant == "int8":
+            codes, absmax, _ = bnbF.int8_vectorwise_quant(weight.half(), 0.0)
+            return codes, absmax.float()
+        if quant == "nf4":
+            codes, state = bnbF.quantize_4bit(weight, blocksize=64, quant_type="nf4")
+            return codes, state.absmax
+        return (weight.to(torch.bfloat16) if quant == "bf16" else weight), None
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        actor = dict(model.named_modules())
+        for module, linears in zip(fused, separate):
+            names = [next(n for n, m in sampler.named_modules() if m is l) for l in linears]
+            codes, scales = zip(*[expected(actor[name].weight) for name in names])
+            stored = module.weight if quant in ("bf16", "none") else module.weight_q
+            if quant == "fp8":  # (equal needs bytes)
+                stored, codes = stored.view(torch.uint8), [c.view(torch.uint8) for c in codes]
+            assert torch.equal(stored, torch.cat(codes).view_as(stored))
+            if quant in ("fp8", "int8", "nf4"):
+                assert torch.equal(module.weight_scale, torch.cat(scales))
+            if quant == "nf4":
+                values = [bnbF.dequantize_4bit(*bnbF.quantize_4bit(actor[n].weight.detach(),
+                          blocksize=64, quant_type="nf4")) for n in names]
+                assert torch.equal(bnbF.dequantize_4bit(module.weight_q, module.nf4_state),
+                                   torch.cat(values))
+            want = torch.cat([linear(x) for linear in linears], -1)
+            torch.testing.assert_close(module(x), want, rtol=1e-6, atol=1e-6)
+        ids = torch.randint(3, 100, (4, 16), generator=torch.Generator().manual_seed(step))
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert qurl.sync_weights(sampler, model) > 0.01 or quant == "none"
+
+
 def test_compile_end_to_end(tmp_path):
     args = _small_args(tmp_path, run_name="c", quant="fp8", compile=True)
     qurl.train(args)
