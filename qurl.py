@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -463,12 +464,13 @@ def _pick(logits: Tensor, temperature: float, noise: Tensor | None) -> tuple[Ten
     return token, probs.gather(-1, token[:, None]).log().squeeze(-1)
 
 
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """EOS ids: the tokenizer's and the generation config's (Qwen: also <|im_end|>)."""
-    configured = getattr(model.generation_config, "eos_token_id", None)
-    if not isinstance(configured, (list, tuple)):
-        configured = [configured]
-    return sorted({i for i in [tokenizer.eos_token_id, *configured] if i is not None})
+def _advance(logits, temperature, noise, done, end, t, stop_ids, pad):
+    """A decode step's bookkeeping (both decodes'): the next tokens, padding after a row's end, and
+    their log-probs; a row's first stop token sets its `end` to t and marks it done."""
+    token, logp = _pick(logits, temperature, noise)
+    token = torch.where(done, pad, token)
+    finished = torch.isin(token, stop_ids) & ~done
+    return token, logp, torch.where(finished, t, end), done | finished
 
 
 def _prefill(model, tokenizer, input_ids: Tensor, attention_mask: Tensor):
@@ -515,13 +517,10 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
     done = torch.zeros(B, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
         noise = torch.empty_like(logits, dtype=torch.float).exponential_(generator=generator)
-        token, logp = _pick(logits, temperature, noise)  # (b,): b rows left
-        token = torch.where(done, pad, token)
+        token, logp, end[out_rows], done = _advance(logits, temperature, noise, done,
+                                                    end[out_rows], t, stop_ids, pad)  # (b,) each
         tokens[out_rows, t] = token
         logp_behav[out_rows, t] = logp
-        finished = torch.isin(token, stop_ids) & ~done
-        end[out_rows] = torch.where(finished, t, end[out_rows])
-        done = done | finished
         if t == max_new_tokens - 1:
             break
 
@@ -1077,6 +1076,14 @@ def load_model(name: str = "data/tiny-qwen", device="cpu", dtype=torch.float32):
     return model, tokenizer
 
 
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """EOS ids: the tokenizer's and the generation config's (Qwen: also <|im_end|>)."""
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    if not isinstance(configured, (list, tuple)):
+        configured = [configured]
+    return sorted({i for i in [tokenizer.eos_token_id, *configured] if i is not None})
+
+
 def prepare_actor(actor: nn.Module, grad_checkpointing: bool = False) -> None:
     """No dropout: pi_prox and pi_theta would be noisy estimates of one policy."""
     for module in actor.modules():  # nn.Dropout's p, and transformers' attention's float
@@ -1359,9 +1366,11 @@ class StaticDecoder:
     def __init__(self, model, tokenizer, rows, width, max_new_tokens, temperature):
         import torch._inductor.config
         torch._inductor.config.emulate_precision_casts = True  # bf16 rounding exactly as eager
+        torch._dynamo.config.recompile_limit = 64  # a layer graph per shape: 2 a StaticDecoder
         device = next(model.parameters()).device
         long = {"dtype": torch.long, "device": device}
         self.model, self.tokenizer, self.width, self.temp = model, tokenizer, width, temperature
+        self.pad = tokenizer.pad_token_id  # (a tokenizer's property breaks the graph)
         self.stop_ids = torch.tensor(stop_token_ids(model, tokenizer), device=device)
         for layer in model.model.layers:  # once: the separate linears become views of these
             attention, mlp = layer.self_attn, layer.mlp  # (a tuple: not a submodule)
@@ -1383,9 +1392,9 @@ class StaticDecoder:
 
         angles = model.model.rotary_emb(model.model.embed_tokens.weight, self.cache_columns[None])
         self.cos, self.sin = (t[0] for t in angles)  # (C, D), eager: compiled ones round apart
-        self.embed = torch.compile(self.embed, dynamic=False)
-        self.decoder_layer = torch.compile(decoder_layer, dynamic=False)
-        self.unembed = torch.compile(self.unembed, dynamic=False)
+        compiled = functools.partial(torch.compile, dynamic=False, fullgraph=True)  # or an error
+        self.embed, self.unembed = compiled(self.embed), compiled(self.unembed)
+        self.decoder_layer = compiled(decoder_layer)
 
     def run(self, input_ids, prompt_mask, n, generator) -> Rollout:
         """The (b, P) prompts, n rows each: the prefill draws the first tokens, the steps the rest
@@ -1476,16 +1485,15 @@ class StaticDecoder:
         return x, torch.zeros_like(x, dtype=self.cache[1].dtype), cos, sin, mask
 
     def unembed(self, x, delta):
-        """Each row's next token and log-prob into the outputs (`sample`'s loop body)."""
+        """The next tokens and their log-probs into the outputs."""
         logits = self.model.lm_head(self.model.model.norm(x + delta))[:, -1]  # (B, V)
-        token, logp = _pick(logits, self.temp, self.noise)
         t = self.column - self.width + 1  # the output column of the token drawn
-        token = torch.where(self.done, self.tokenizer.pad_token_id, token)
+        token, logp, end, done = _advance(logits, self.temp, self.noise, self.done, self.end, t,
+                                          self.stop_ids, self.pad)
         self.tokens.index_copy_(1, t, token[:, None])
         self.logp.index_copy_(1, t, logp[:, None])
-        finished = torch.isin(token, self.stop_ids) & ~self.done
-        self.end.copy_(torch.where(finished, t, self.end))
-        self.done.logical_or_(finished)
+        self.end.copy_(end)
+        self.done.copy_(done)
         self.token.copy_(token)
         self.position.add_(1)
         self.column.add_(1)

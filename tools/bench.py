@@ -161,6 +161,9 @@ def bench_rollout(args: Args, opts) -> list[dict]:
                     )
                     row["compiled_tok_s"] = batch * n / t
                     row["compiled"] = None not in qurl.DECODERS.get(sampler, {None: None}).values()
+                    with _rollout_parts(device) as parts:  # one more rollout, synced in parts
+                        qurl.compiled_sample(sampler, tok, prompts, 1, n, generator=gen)
+                    row |= parts
                 if fmt == "bf16" and not opts.no_eager:  # transformers' own loop on the same rows
                     enc = tok(prompts, return_tensors="pt", padding=True).to(device)
                     t, _ = _timed(
@@ -178,10 +181,40 @@ def bench_rollout(args: Args, opts) -> list[dict]:
                     row["generate_tok_s"] = batch * n / t
             row["peak_gib"] = _memory(device) / 2**30
             rows.append(_report(row, device, opts.out))
-        del sampler
+        sampler = None  # (not del: the lambdas above name it)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+@contextlib.contextmanager
+def _rollout_parts(device):
+    """The seconds of a compiled rollout in this block, in parts: prefill_s (the prompts through
+    the compiled layers, their K, V copied to each group's rows, the first tokens), finish_s
+    (bookkeeping: `_finish`'s masks and texts) and decode_s (the rest: the steps, tokenizing)."""
+    real_prefill, real_finish, parts = qurl.StaticDecoder.prefill, qurl._finish, {}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            _sync(device)
+            start = time.perf_counter()
+            out = fn(*a, **kw)
+            _sync(device)
+            parts[name] = parts.get(name, 0.0) + time.perf_counter() - start
+            return out
+        return wrapper
+
+    qurl.StaticDecoder.prefill = timed("prefill_s", real_prefill)
+    qurl._finish = timed("finish_s", real_finish)
+    _sync(device)
+    start = time.perf_counter()
+    try:
+        yield parts
+        _sync(device)
+        total = time.perf_counter() - start
+        parts["decode_s"] = total - parts.get("prefill_s", 0.0) - parts.get("finish_s", 0.0)
+    finally:
+        qurl.StaticDecoder.prefill, qurl._finish = real_prefill, real_finish
 
 
 def bench_profile(args: Args, opts) -> list[dict]:
