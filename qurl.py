@@ -1315,6 +1315,7 @@ def main(argv=None) -> None:
 
 # ==================== APPENDIX B: a compiled decode (--compile), for speed alone
 DECODERS = weakref.WeakKeyDictionary()  # sampler -> {shape: StaticDecoder, or None: not compiled}
+FUSED = weakref.WeakKeyDictionary()  # decoder layer -> (q/k/v, gate/up): a copy has its own
 
 
 @torch.no_grad()
@@ -1373,10 +1374,10 @@ class StaticDecoder:
         self.pad = tokenizer.pad_token_id  # (a tokenizer's property breaks the graph)
         self.stop_ids = torch.tensor(stop_token_ids(model, tokenizer), device=device)
         for layer in model.model.layers:  # once: the separate linears become views of these
-            attention, mlp = layer.self_attn, layer.mlp  # (a tuple: not a submodule)
-            if not hasattr(layer, "fused"):
-                layer.fused = (fuse([attention.q_proj, attention.k_proj, attention.v_proj]),
-                               fuse([mlp.gate_proj, mlp.up_proj]))
+            attention, mlp = layer.self_attn, layer.mlp
+            if layer not in FUSED:
+                FUSED[layer] = (fuse([attention.q_proj, attention.k_proj, attention.v_proj]),
+                                fuse([mlp.gate_proj, mlp.up_proj]))
         self.cache, self.graph = None, None
 
         self.cache_columns = torch.arange(width + max_new_tokens, device=device)  # (C,)
@@ -1472,8 +1473,9 @@ class StaticDecoder:
     def layers(self, x, delta, cos, sin, column, mask, rows=slice(None)):
         """(rows, S, hidden) tokens through every layer, K, V into the cache's `rows`."""
         for i, layer in enumerate(self.model.model.layers):
-            x, delta = self.decoder_layer(layer, x, delta, cos, sin, self.cache[0][i, rows],
-                                          self.cache[1][i, rows], column, mask)
+            x, delta = self.decoder_layer(layer, FUSED[layer], x, delta, cos, sin,
+                                          self.cache[0][i, rows], self.cache[1][i, rows], column,
+                                          mask)
         return x[:, -1:], delta[:, -1:]
 
     def embed(self):
@@ -1505,13 +1507,14 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + torch.cat((-x[..., mid:], x[..., :mid]), -1) * sin[:, None]
 
 
-def decoder_layer(layer, x, delta, cos, sin, k_cache, v_cache, column, mask):
+def decoder_layer(layer, fused, x, delta, cos, sin, k_cache, v_cache, column, mask):
     """A layer over (B, S, hidden) tokens x + delta: the last layer's MLP out, added in this norm's
-    kernel (vLLM's fused add-norm); returns (x, its MLP out). K, V into (B, H_kv, C, D) caches;
-    a K/V head's queries are rows of one attention (repeat_kv would copy the cache)."""
+    kernel (vLLM's fused add-norm); returns (x, its MLP out). `fused`: its (q/k/v, gate/up). K, V
+    into (B, H_kv, C, D) caches; a K/V head's queries are rows of one attention (repeat_kv would
+    copy the cache)."""
     attention, (B, S, _), (H_kv, D) = layer.self_attn, x.shape, k_cache.shape[1::2]
     x = x + delta
-    heads = layer.fused[0](layer.input_layernorm(x)).view(B, S, -1, D).transpose(1, 2)
+    heads = fused[0](layer.input_layernorm(x)).view(B, S, -1, D).transpose(1, 2)
     q, k, v = heads.split([heads.shape[1] - 2 * H_kv, H_kv, H_kv], 1)  # (B, H + 2 H_kv, S, D)
     if hasattr(attention, "q_norm"):  # Qwen3
         q, k = attention.q_norm(q), attention.k_norm(k)
@@ -1523,7 +1526,7 @@ def decoder_layer(layer, x, delta, cos, sin, k_cache, v_cache, column, mask):
     out = F.scaled_dot_product_attention(q, k_cache, v_cache, mask.repeat(1, 1, groups, 1),
                                          scale=attention.scaling)
     x = x + attention.o_proj(out.view(B, -1, S, D).transpose(1, 2).reshape(B, S, -1))
-    gate, up = layer.fused[1](layer.post_attention_layernorm(x)).chunk(2, -1)  # (B, S, I) each
+    gate, up = fused[1](layer.post_attention_layernorm(x)).chunk(2, -1)  # (B, S, I) each
     return x, layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
 

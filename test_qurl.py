@@ -1896,6 +1896,23 @@ def test_fuse_stacks_the_separate_codes_and_follows_every_sync(tiny, quant):
         assert qurl.sync_weights(sampler, model) > 0.01 or quant == "none"
 
 
+def test_a_copy_of_a_compiled_model_gets_its_own_fused_layout(tiny, problems):
+    """A sampler copied from an actor whose decode compiled (`--quant none`) fuses its own q/k/v
+    and gate/up (a copy must not inherit the actor's fused tensors): it compiles, and its greedy
+    tokens are its eager ones."""
+    import copy
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    prompts = _mixed_prompts(tok, problems, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        qurl.compiled_sample(model, tok, prompts, 1, 16, 0.0)
+        for quant in ("bf16", "fp8"):
+            sampler = qurl.make_sampler(model, quant, torch.float32)
+            with qurl.rollout_autocast(quant, torch.device("cpu"), torch.float32):
+                compiled = qurl.compiled_sample(sampler, tok, prompts, 1, 16, 0.0)
+                assert compiled.texts == qurl.sample(sampler, tok, prompts, 1, 16, 0.0).texts
+
+
 def test_compile_end_to_end(tmp_path):
     args = _small_args(tmp_path, run_name="c", quant="fp8", compile=True)
     qurl.train(args)
@@ -2245,7 +2262,7 @@ def test_the_lesson_file_keeps_its_shape():
     start = next(i for i, line in enumerate(lines) if "THE METHOD" in line)
     end = next(i for i, line in enumerate(lines) if "APPENDIX" in line)
     method = sum(len(line.strip()) for line in lines[start:end])
-    assert chars <= 66_000 and method <= 36_000, (chars, method)
+    assert chars <= 69_000 and method <= 36_000, (chars, method)
     for path in [Path(qurl.__file__), Path(__file__), *sorted((HERE / "tools").glob("*.py"))]:
         wide = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if len(line) > 100]
         assert not wide, (path.name, wide)
