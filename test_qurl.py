@@ -427,7 +427,6 @@ def test_nf4_equals_bitsandbytes_per_layer(tiny, problems):
     fp = dict(model.named_modules())
     qls = [(n, m) for n, m in q.named_modules() if isinstance(m, qurl.QuantLinear)]
     assert len(qls) == 14 and all(m.fmt == "nf4" for _, m in qls)
-    x = torch.randn(5, 128)
     for name, ql in qls:
         w = fp[name].weight.detach()
         packed, state = bnbF.quantize_4bit(w, blocksize=64, quant_type="nf4")
