@@ -831,6 +831,21 @@ def test_same_seed_same_samples(tiny, problems):
     assert a.input_ids.shape != c.input_ids.shape or not torch.equal(a.input_ids, c.input_ids)
 
 
+def test_advance_pads_finished_rows_and_ends_each_at_its_first_stop():
+    """`_advance`, both decodes' step: greedy picks by hand; a row already done gets the pad token
+    and keeps its end; a row that draws a stop token ends there (t) and is done; the others go on;
+    the log-probs are those of the picked tokens."""
+    logits = torch.full((4, 6), -5.0)
+    logits[torch.arange(4), torch.tensor([2, 5, 5, 3])] = 5.0  # picks 2, 5 (a stop), 5, 3
+    done, end = torch.tensor([False, False, True, False]), torch.tensor([9, 9, 1, 9])
+    stop_ids, pad = torch.tensor([4, 5]), 0
+    token, logp, end, done = qurl._advance(logits, 0.0, None, done, end, 3, stop_ids, pad)
+    assert token.tolist() == [2, 5, 0, 3] and end.tolist() == [9, 3, 1, 9]
+    assert done.tolist() == [False, True, True, False]
+    want = torch.log_softmax(logits, -1)[torch.arange(4), torch.tensor([2, 5, 5, 3])]
+    torch.testing.assert_close(logp, want)
+
+
 def test_pick_draws_what_multinomial_draws():
     """_pick samples argmax(p / E), E ~ Exponential(1): torch.multinomial's own one-sample
     algorithm, so the same generator state gives the same tokens, with no host sync."""
