@@ -1799,11 +1799,12 @@ def test_compiled_decode_equals_the_eager_one(tiny, problems, compiled_fp8):
 
 
 @CUDA
-@pytest.mark.parametrize("quant", ["bf16", "fp8"])
+@pytest.mark.parametrize("quant", ["bf16", "fp8", "int8", "nf4"])
 def test_cuda_compiled_sampler_matches_eager(problems, quant):
-    """On a GPU the compiled decode is captured as a CUDA graph; its greedy tokens equal the eager
-    sampler's (bf16 sums may part them on a near tie: at most 2 of 32 rows), and its log-probs match
-    teacher forcing as closely as the eager sampler's."""
+    """On a GPU the compiled decode (its fused layout: NF4's fused state dequantizes on the GPU
+    alone) is captured as a CUDA graph; its greedy tokens equal the eager sampler's (bf16 sums may
+    part them on a near tie: at most 2 of 32 rows), and its log-probs match teacher forcing as
+    closely as the eager sampler's."""
     model, tok = qurl.load_model(TINY, "cuda", torch.float32)
     sampler = qurl.make_sampler(model, quant, torch.bfloat16)
     prompts = _mixed_prompts(tok, problems, 32)
