@@ -2040,6 +2040,53 @@ def test_bench_gemm_variants_compute_the_samplers_product():
     assert shapes["gate_up"][1] == shapes["gate"][1] + shapes["up"][1] == 2 * 18944
 
 
+def test_bench_step_limit_counts_the_model_it_names():
+    """`step_limit_ms` against the published 0.5B architecture built on the meta device (its
+    decoder linears' and lm_head's parameters counted), by hand: one row reads every byte once
+    (memory-bound); at 4,096 rows the GEMMs are bound by their flops (FP8 at twice bf16's peak),
+    attention still by its cache reads."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    bench = _script(HERE / "tools" / "bench.py", "bench")
+    _, h, layers, heads, kv, inter, vocab, tied = bench.MODEL_CONFIGS["qwen2.5-0.5b"]
+    config = AutoConfig.for_model("qwen2", hidden_size=h, num_hidden_layers=layers,
+                                  num_attention_heads=heads, num_key_value_heads=kv,
+                                  intermediate_size=inter, vocab_size=vocab)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    linear = sum(m.weight.numel() for _, m in qurl.decoder_linears(model))
+    head = model.lm_head.weight.numel()
+    kv_bytes = layers * 2 * kv * (h // heads) * 100 * 2  # K and V of 100 tokens, bf16
+    for quant, weight_bytes in (("bf16", 2), ("fp8", 1), ("nf4", 0.5625)):
+        want = (linear * weight_bytes + 2 * head + kv_bytes) / 4.8e12 * 1e3
+        assert bench.step_limit_ms("qwen2.5-0.5b", 1, 100, quant) == pytest.approx(want)
+    rows = 4096  # the GEMMs compute-bound, attention still bound by its cache reads
+    for quant, peak in (("bf16", 989e12), ("fp8", 1979e12)):
+        want = 2 * rows * linear / peak + 2 * rows * head / 989e12 + rows * kv_bytes / 4.8e12
+        assert bench.step_limit_ms("qwen2.5-0.5b", rows, 100, quant) == pytest.approx(want * 1e3)
+
+
+def test_gpu_table_sweep_pairs_bf16_and_fp8_at_each_row_count(tmp_path):
+    """`tools/gpu_table.py --sweep`: one line per shape and row count, FP8's tokens/s over bf16's,
+    each step's milliseconds beside its limit; rows that did not compile are left out; --plot
+    writes the figure. (The rows are made up here: this checks the table, not a result.)"""
+    rows = [{"device": "d", "model": shape, "quant": quant, "batch": batch, "compiled": True,
+             "compiled_tok_s": batch * (300.0 if quant == "fp8" else 200.0), "prefill_s": 0.5,
+             "step_ms": 2.0, "limit_step_ms_h200": 1.0}
+            for shape in ("qwen2.5-0.5b", "qwen2.5-7b") for batch in (64, 256)
+            for quant in ("bf16", "fp8")]
+    rows.append(rows[0] | {"quant": "nf4", "compiled": False})
+    path = tmp_path / "sweep.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = subprocess.run([sys.executable, str(HERE / "tools/gpu_table.py"), str(path), "--sweep",
+                          "--plot", str(tmp_path / "sweep.png")], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    lines = [line for line in res.stdout.splitlines() if line.startswith("| qwen")]
+    assert len(lines) == 4 and all("| 1.50 | 2.00 (1.00) | 2.00 (1.00) |" in line for line in lines)
+    assert "| qwen2.5-7b | 256 | 51200 | 76800 |" in res.stdout
+    assert (tmp_path / "sweep.png").stat().st_size > 10_000
+
+
 @CUDA
 def test_cuda_bench_gemm_variants_compute_the_samplers_product():
     """On a GPU, at a decode shape: each FP8 way within the bf16 output's rounding of the FP8

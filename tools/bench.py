@@ -164,6 +164,11 @@ def bench_rollout(args: Args, opts) -> list[dict]:
                     with _rollout_parts(device) as parts:  # one more rollout, synced in parts
                         qurl.compiled_sample(sampler, tok, prompts, 1, n, generator=gen)
                     row |= parts
+                    row["step_ms"] = 1e3 * parts["decode_s"] / max(n - 1, 1)
+                    if opts.model_config:  # beside the H200's limit at the mean context
+                        P = check_prompt_lengths(model, tok, problems[:batch], n)
+                        row["limit_step_ms_h200"] = step_limit_ms(opts.model_config, batch,
+                                                                  P + n / 2, fmt)
                 if fmt == "bf16" and not opts.no_eager:  # transformers' own loop on the same rows
                     enc = tok(prompts, return_tensors="pt", padding=True).to(device)
                     t, _ = _timed(
@@ -361,6 +366,30 @@ def decode_linears(config_name: str) -> dict[str, tuple[int, int]]:
     return {"q": (h, heads * d), "k": (h, kv * d), "v": (h, kv * d), "o": (heads * d, h),
             "gate": (h, inter), "up": (h, inter), "down": (inter, h),
             "qkv": (h, (heads + 2 * kv) * d), "gate_up": (h, 2 * inter)}
+
+
+def step_limit_ms(config_name: str, rows: int, context: float, quant: str) -> float:
+    """The H200's physical limit on one decode step of `rows` rows at a published shape, each
+    reading `context` cached tokens: for the decoder linears, the bf16 lm_head and attention, the
+    larger of bytes over bandwidth and flops over the dense peak, summed (they run one after the
+    other). Weights: 1 byte (FP8, INT8: their GEMMs at the 8-bit peak), 0.5 + 4/64 (NF4, computed
+    in bf16), 2 (bf16, fp16), 4 (the fp32 actor under bf16 autocast); the KV cache in bf16."""
+    _, h, layers, heads, kv, _, vocab, _, *head_dim = MODEL_CONFIGS[config_name]
+    d = head_dim[0] if head_dim else h // heads
+    linears = decode_linears(config_name)
+    separate = [shape for name, shape in linears.items() if name not in ("qkv", "gate_up")]
+    params = layers * sum(K * N for K, N in separate)
+    weight_bytes = {"fp8": 1, "int8": 1, "nf4": 0.5 + 4 / 64, "none": 4}.get(quant, 2)
+    peak = H200_FLOPS["fp8" if quant in ("fp8", "int8") else "bf16"]
+
+    def roofline(nbytes, flops, flops_s=H200_FLOPS["bf16"]):
+        return max(nbytes / H200_BYTES_S, flops / flops_s)
+
+    seconds = roofline(params * weight_bytes, 2 * rows * params, peak)  # the decoder linears
+    seconds += roofline(2 * vocab * h, 2 * rows * vocab * h)  # lm_head
+    kv_bytes = layers * 2 * rows * kv * d * context * 2
+    seconds += roofline(kv_bytes, 4 * rows * layers * heads * d * context)  # attention
+    return 1e3 * seconds
 
 
 def gemm_variants(x, w, device, tune: bool = False) -> dict:
