@@ -1336,7 +1336,8 @@ def compiled_sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_to
             return decoders[shape].run(input_ids, prompt_mask, n, generator)
     except Exception as e:  # noqa: BLE001
         decoders[shape] = None
-        warnings.warn(f"--compile: decoding eagerly ({type(e).__name__}: {str(e):.100})")
+        reason = " ".join(str(e).split())  # one line
+        warnings.warn(f"--compile: decoding eagerly ({type(e).__name__}: {reason:.100})")
     return sample(model, tokenizer, prompts, n, max_new_tokens, temperature, generator)
 
 
