@@ -1860,17 +1860,16 @@ def test_fuse_stacks_the_separate_codes_and_follows_every_sync(tiny, quant):
     import bitsandbytes.functional as bnbF
     model = copy.deepcopy(tiny[0]).train()
     sampler = qurl.make_sampler(model, quant, torch.float32)
-    names = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
-             ["mlp.gate_proj", "mlp.up_proj"]]
+    groups = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+              ["mlp.gate_proj", "mlp.up_proj"]]
     x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     x = x.to(torch.bfloat16) if quant == "bf16" else x
-    fused, separate = [], []
-    for layer in sampler.model.layers:
-        for group in names:
+    fused = []  # (the fused linear, the separate ones, their names)
+    for i, layer in enumerate(sampler.model.layers):
+        for group in groups:
             linears = [layer.get_submodule(name) for name in group]
             outputs = [linear(x) for linear in linears]
-            fused.append(qurl.fuse(linears))
-            separate.append(linears)
+            fused.append((qurl.fuse(linears), linears, [f"model.layers.{i}.{n}" for n in group]))
             assert all(torch.equal(linear(x), y) for linear, y in zip(linears, outputs))
 
     def expected(weight):  # (codes, scales) of one actor linear, quantized on its own
@@ -1888,8 +1887,7 @@ def test_fuse_stacks_the_separate_codes_and_follows_every_sync(tiny, quant):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):
         actor = dict(model.named_modules())
-        for module, linears in zip(fused, separate):
-            names = [next(n for n, m in sampler.named_modules() if m is l) for l in linears]
+        for module, linears, names in fused:
             codes, scales = zip(*[expected(actor[name].weight) for name in names])
             stored = module.weight if quant in ("bf16", "none") else module.weight_q
             if quant == "fp8":  # (equal needs bytes)

@@ -85,12 +85,18 @@ def _timed(fn, device, runs=3) -> tuple[float, object]:
     """Median seconds of `runs` calls of fn (after one warm-up call), and the last result."""
     times, out = [], None
     for i in range(runs + 1):
-        _sync(device)
-        t = time.perf_counter()
-        out = fn()
-        _sync(device)
-        times += [time.perf_counter() - t] if i else []
+        seconds, out = _clocked(fn, device)
+        times += [seconds] if i else []
     return sorted(times)[len(times) // 2], out
+
+
+def _clocked(fn, device) -> tuple[float, object]:
+    """The seconds of one call of fn, the device synced before and after, and its result."""
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - start, out
 
 
 def _report(row: dict, device, out: str | None = None) -> dict:
@@ -150,10 +156,10 @@ def bench_rollout(args: Args, opts) -> list[dict]:
                     )
                     row["tok_s"] = batch * n / t
                 if args.compile:
-                    start = time.perf_counter()
-                    qurl.compiled_sample(sampler, tok, prompts, 1, n, generator=gen)
-                    _sync(device)
-                    row["compile_s"] = time.perf_counter() - start
+                    row["compile_s"], _ = _clocked(  # the first call compiles
+                        lambda: qurl.compiled_sample(sampler, tok, prompts, 1, n, generator=gen),
+                        device,
+                    )
                     t, _ = _timed(
                         lambda: qurl.compiled_sample(sampler, tok, prompts, 1, n, generator=gen),
                         device,
@@ -201,11 +207,8 @@ def _rollout_parts(device):
 
     def timed(name, fn):
         def wrapper(*a, **kw):
-            _sync(device)
-            start = time.perf_counter()
-            out = fn(*a, **kw)
-            _sync(device)
-            parts[name] = parts.get(name, 0.0) + time.perf_counter() - start
+            spent, out = _clocked(lambda: fn(*a, **kw), device)
+            parts[name] = parts.get(name, 0.0) + spent
             return out
         return wrapper
 
@@ -358,6 +361,11 @@ def bench_kernels(args: Args, opts) -> list[dict]:
 H200_BYTES_S, H200_FLOPS = 4.8e12, {"bf16": 989e12, "fp8": 1979e12}
 
 
+def roofline_ms(nbytes: float, flops: float, flops_s: float = H200_FLOPS["bf16"]) -> float:
+    """The H200's floor on a kernel: its bytes over the bandwidth or its flops over the peak."""
+    return 1e3 * max(nbytes / H200_BYTES_S, flops / flops_s)
+
+
 def decode_linears(config_name: str) -> dict[str, tuple[int, int]]:
     """(K, N) of a decoder layer's linears at a published shape, and of the fused ones a sampler
     may hold instead (q/k/v one linear, gate/up one linear)."""
@@ -381,15 +389,10 @@ def step_limit_ms(config_name: str, rows: int, context: float, quant: str) -> fl
     params = layers * sum(K * N for K, N in separate)
     weight_bytes = {"fp8": 1, "int8": 1, "nf4": 0.5 + 4 / 64, "none": 4}.get(quant, 2)
     peak = H200_FLOPS["fp8" if quant in ("fp8", "int8") else "bf16"]
-
-    def roofline(nbytes, flops, flops_s=H200_FLOPS["bf16"]):
-        return max(nbytes / H200_BYTES_S, flops / flops_s)
-
-    seconds = roofline(params * weight_bytes, 2 * rows * params, peak)  # the decoder linears
-    seconds += roofline(2 * vocab * h, 2 * rows * vocab * h)  # lm_head
     kv_bytes = layers * 2 * rows * kv * d * context * 2
-    seconds += roofline(kv_bytes, 4 * rows * layers * heads * d * context)  # attention
-    return 1e3 * seconds
+    return (roofline_ms(params * weight_bytes, 2 * rows * params, peak)  # the decoder linears
+            + roofline_ms(2 * vocab * h, 2 * rows * vocab * h)  # lm_head
+            + roofline_ms(kv_bytes, 4 * rows * layers * heads * d * context))  # attention
 
 
 def gemm_variants(x, w, device, tune: bool = False) -> dict:
@@ -489,8 +492,8 @@ def bench_gemm(args: Args, opts) -> list[dict]:
                 weight_bytes = K * N * (1 if fp8 else 2)
                 bytes_moved = weight_bytes + M * K * (1 if fp8 else 2) + 2 * M * N
                 flops = 2 * M * N * K
-                row["roofline_ms_h200"] = 1e3 * max(
-                    bytes_moved / H200_BYTES_S, flops / H200_FLOPS["fp8" if fp8 else "bf16"])
+                row["roofline_ms_h200"] = roofline_ms(bytes_moved, flops,
+                                                      H200_FLOPS["fp8" if fp8 else "bf16"])
                 rows.append(_report(row, device, opts.out))
     return rows
 
@@ -523,15 +526,11 @@ def _step_parts(device):
         def wrapper(*a, **kw):
             if name == "batch_logprobs" and torch.is_grad_enabled():  # a training forward
                 return real[name](*a, **kw)
-            _sync(device)
-            start = time.perf_counter()
             updating.append(name == "update")
             try:
-                out = real[name](*a, **kw)
+                spent, out = _clocked(lambda: real[name](*a, **kw), device)
             finally:
                 updating.pop()
-            _sync(device)
-            spent = time.perf_counter() - start
             seconds[parts[name]] += spent
             if name == "batch_logprobs" and any(updating):
                 seconds["update_s"] -= spent

@@ -77,17 +77,18 @@ def plot_sweep(rows: list[dict], out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shapes = sorted({shape for shape, _ in sweep(rows)})
+    table = sweep(rows)
+    shapes = sorted({shape for shape, _ in table})
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 3.6), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
-        points = [(b, q) for (s, b), q in sweep(rows).items() if s == shape]
+        points = [(b, q) for (s, b), q in table.items() if s == shape]
         for quant, color in (("bf16", "tab:blue"), ("fp8", "tab:red")):
             measured = [(b, q[quant]) for b, q in points if quant in q]
             xs = [b for b, _ in measured]
             ax.plot(xs, [r["compiled_tok_s"] for _, r in measured], "o-", color=color,
                     label=f"{quant}, measured")
-            limits = [(b, r.get("limit_step_ms_h200")) for b, r in measured]
-            limits = [(b, ms) for b, ms in limits if ms]
+            limits = [(b, r["limit_step_ms_h200"]) for b, r in measured
+                      if r.get("limit_step_ms_h200")]
             if limits:
                 ax.plot([b for b, _ in limits], [1e3 * b / ms for b, ms in limits], "--",
                         color=color, label=f"{quant}, limit per step")
