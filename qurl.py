@@ -473,6 +473,13 @@ def _advance(logits, temperature, noise, done, end, t, stop_ids, pad):
     return token, logp, torch.where(finished, t, end), done | finished
 
 
+def encode(tokenizer, prompts: list[str], device, multiple: int | None = None):
+    """The prompts' token ids, left-padded (to a multiple of `multiple`), and their mask."""
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
+                        padding_side="left", pad_to_multiple_of=multiple).to(device)
+    return encoded["input_ids"], encoded["attention_mask"]
+
+
 def _prefill(model, tokenizer, input_ids: Tensor, attention_mask: Tensor):
     """The prompts into a new KV cache: (last logits, cache, {keyword: cache}, stop ids).
     transformers 5.24 calls it `cache`, older ones `past_key_values`; each ignores the other."""
@@ -500,9 +507,7 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
     prefilled once; finished rows leave when a quarter of the batch is done. Positions come from
     the attention mask: left padding does not shift RoPE."""
     device = next(model.parameters()).device
-    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
-                        padding_side="left").to(device)
-    input_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]  # (b, P)
+    input_ids, prompt_mask = encode(tokenizer, prompts, device)  # (b, P)
     B, pad = len(prompts) * n, tokenizer.pad_token_id
     logits, cache, cache_kwarg, stop_ids = _prefill(model, tokenizer, input_ids, prompt_mask)
     cache.batch_repeat_interleave(n)  # rows i n .. i n + n - 1 are prompt i's samples
@@ -1314,28 +1319,27 @@ def main(argv=None) -> None:
 
 
 # ==================== APPENDIX B: a compiled decode (--compile), for speed alone
-DECODERS = weakref.WeakKeyDictionary()  # sampler -> {shape: StaticDecoder, or None: not compiled}
-FUSED = weakref.WeakKeyDictionary()  # decoder layer -> (q/k/v, gate/up): a copy has its own
+DECODERS = weakref.WeakKeyDictionary()  # sampler -> {(B, P, R, T): StaticDecoder, or None: eager}
+FUSED = weakref.WeakKeyDictionary()  # decoder layer -> (qkv_proj, gate_up_proj): a copy fuses anew
 
 
 @torch.no_grad()
 def compiled_sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64,
                     temperature: float = 1.0, generator: torch.Generator | None = None) -> Rollout:
-    """`sample` through compiled layers (a step a CUDA graph on a GPU): its tokens and log-probs
-    up to float sums, at ~10 launches a layer, not ~50; else `sample`'s, said once."""
-    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
-                        padding_side="left", pad_to_multiple_of=64).to(model.device)  # few shapes
-    input_ids, prompt_mask = encoded["input_ids"], encoded["attention_mask"]  # (b, P)
-
+    """`sample`'s tokens (log-probs up to float sums) by compiled layers, ~10 kernels a layer, not
+    ~50 (on a GPU a CUDA graph a token); else by `sample`, said once."""
+    input_ids, prompt_mask = encode(tokenizer, prompts, model.device, 64)  # few shapes
     decoders = DECODERS.setdefault(model, {})
-    shape = (len(prompts) * n, input_ids.shape[1], max_new_tokens, temperature)
+    key = (len(prompts) * n, input_ids.shape[1], max_new_tokens, temperature)
     try:
         if None not in decoders.values():
-            if shape not in decoders:
-                decoders[shape] = StaticDecoder(model, tokenizer, *shape)
-            return decoders[shape].run(input_ids, prompt_mask, n, generator)
+            if key not in decoders:
+                decoders[key] = StaticDecoder(model, tokenizer, *key)
+            with torch._dynamo.config.patch(recompile_limit=64):  # 2 layer graphs a decoder
+                outputs = decoders[key].decode(model, input_ids, prompt_mask, n, generator)
+            return _finish(tokenizer, input_ids, prompt_mask, n, *outputs)
     except Exception as e:  # noqa: BLE001
-        decoders[shape] = None
+        decoders[key] = None
         reason = " ".join(str(e).split())  # one line
         warnings.warn(f"--compile: decoding eagerly ({type(e).__name__}: {reason:.100})")
     return sample(model, tokenizer, prompts, n, max_new_tokens, temperature, generator)
@@ -1344,16 +1348,15 @@ def compiled_sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_to
 @torch.no_grad()
 def fuse(linears: list[nn.Module]) -> nn.Module:
     """One linear for several on one input (vLLM's QKVParallelLinear): one GEMM and activation
-    quantization, not three. Codes and scales are per output row (NF4: per 64 weights of a row):
-    stacked, they are the fused ones, and the separate tensors become views of its rows (`.data`:
-    optimizers keep theirs), which an in-place sync refreshes."""
+    quantization, not one each. Codes and scales are per output row: stacked, they are the fused
+    ones; the separate tensors become views of its rows (`.data`), refreshed by a sync."""
     fused = copy.deepcopy(linears[0])  # NF4's state holds its absmax tensor: it follows
     for name, whole in [*fused.named_parameters(), *fused.named_buffers()]:
         parts = [getattr(linear, name) for linear in linears]
         sizes = [len(part) for part in parts]
         whole.data = whole.new_empty((sum(sizes), *whole.shape[1:]))
-        for part, rows in zip(parts, whole.data.split(sizes)):
-            part.data = rows.copy_(part)  # (torch.cat refuses FP8 under autocast)
+        for part, view in zip(parts, whole.data.split(sizes)):
+            part.data = view.copy_(part)  # (torch.cat refuses FP8 under autocast)
     fused.out_features = sum(linear.out_features for linear in linears)
     if getattr(fused, "nf4_state", None):
         assert fused.in_features % NF4_BLOCK == 0, "NF4 blocks would span rows"
@@ -1362,144 +1365,129 @@ def fuse(linears: list[nn.Module]) -> nn.Module:
 
 
 class StaticDecoder:
-    """B rows in static buffers of C = P + R cache columns; one compiled decoder layer run for
-    every layer, in the prefill and each step."""
+    """B rows in a static KV cache of L = P + R columns. One compiled graph serves every decoder
+    layer, in the prefill and in each decode step; buffers only where a CUDA graph needs them."""
 
-    def __init__(self, model, tokenizer, rows, width, max_new_tokens, temperature):
-        import torch._inductor.config
-        torch._inductor.config.emulate_precision_casts = True  # bf16 rounding exactly as eager
-        torch._dynamo.config.recompile_limit = 64  # a layer graph per shape: 2 a StaticDecoder
-        device = next(model.parameters()).device
-        long = {"dtype": torch.long, "device": device}
-        self.model, self.tokenizer, self.width, self.temp = model, tokenizer, width, temperature
-        self.pad = tokenizer.pad_token_id  # (a tokenizer's property breaks the graph)
-        self.stop_ids = torch.tensor(stop_token_ids(model, tokenizer), device=device)
+    def __init__(self, model, tokenizer, batch, prompt_len, max_new_tokens, temperature):
+        device, attention = model.device, model.model.layers[0].self_attn
         for layer in model.model.layers:  # once: the separate linears become views of these
-            attention, mlp = layer.self_attn, layer.mlp
             if layer not in FUSED:
-                FUSED[layer] = (fuse([attention.q_proj, attention.k_proj, attention.v_proj]),
-                                fuse([mlp.gate_proj, mlp.up_proj]))
-        self.cache, self.graph = None, None
+                FUSED[layer] = (fuse([layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                      layer.self_attn.v_proj]),
+                                fuse([layer.mlp.gate_proj, layer.mlp.up_proj]))
+        self.prompt_len, self.temperature = prompt_len, temperature
+        self.pad = tokenizer.pad_token_id  # (a tokenizer's property breaks a graph)
+        self.stop_ids = torch.tensor(stop_token_ids(model, tokenizer), device=device)
 
-        self.cache_columns = torch.arange(width + max_new_tokens, device=device)  # (C,)
-        self.valid = torch.ones(rows, len(self.cache_columns), dtype=torch.bool, device=device)
-        self.token = torch.zeros(rows, **long)  # (B,): the last token drawn
-        self.position = torch.zeros(rows, **long)  # (B,): its RoPE position
-        self.column = torch.zeros(1, **long)  # its cache column
-        self.end = torch.zeros(rows, **long)  # (B,): the first EOS's index
-        self.done = torch.zeros(rows, dtype=torch.bool, device=device)  # (B,)
-        self.tokens = torch.zeros(rows, max_new_tokens, **long)  # (B, R)
-        self.logp = torch.zeros(rows, max_new_tokens, device=device)  # (B, R)
-        self.noise = torch.ones(rows, model.config.vocab_size, device=device)  # (B, V)
-
-        angles = model.model.rotary_emb(model.model.embed_tokens.weight, self.cache_columns[None])
-        self.cos, self.sin = (t[0] for t in angles)  # (C, D), eager: compiled ones round apart
-        compiled = functools.partial(torch.compile, dynamic=False, fullgraph=True)  # or an error
-        self.embed, self.unembed = compiled(self.embed), compiled(self.unembed)
-        self.decoder_layer = compiled(decoder_layer)
-
-    def run(self, input_ids, prompt_mask, n, generator) -> Rollout:
-        """The (b, P) prompts, n rows each: the prefill draws the first tokens, the steps the rest
-        (a host sync every SYNC_EVERY)."""
-        if self.cache is None:
-            self.allocate(input_ids.device)
-        self.valid[:, :self.width] = prompt_mask.repeat_interleave(n, 0).bool()
-        self.position.copy_(prompt_mask.sum(-1).repeat_interleave(n, 0) - 1)
-        self.column.fill_(self.width - 1)
-        self.end.fill_(self.tokens.shape[1])
-        self.done.zero_()
-
-        steps = self.tokens.shape[1]
-        for t in range(steps):
-            if t and t % SYNC_EVERY == 0 and bool(self.done.all()):
-                steps = t
-                break
-            if self.temp:
-                self.noise.exponential_(generator=generator)
-            if t == 0:
-                self.prefill(input_ids, prompt_mask, n)
-            elif self.graph is not None:
-                self.graph.replay()
-            else:
-                self.step()
-        return _finish(self.tokenizer, input_ids, prompt_mask, n, self.tokens[:, :steps].clone(),
-                       self.logp[:, :steps].clone(), self.end.clone())
-
-    def allocate(self, device: torch.device):
-        """K, V in the dtype attention reads (autocast's); on a GPU, compile (two steps on a side
-        stream: their writes are rewritten before read) and capture a step."""
-        dtype = self.model.model.embed_tokens.weight.dtype
+        dtype = model.model.embed_tokens.weight.dtype  # K, V in the dtype attention reads
         if torch.is_autocast_enabled(device.type):
             dtype = torch.get_autocast_dtype(device.type)
-        layers, (rows, columns) = self.model.model.layers, self.valid.shape
-        D = layers[0].self_attn.head_dim
-        heads = layers[0].self_attn.k_proj.out_features // D  # H_kv
-        shape = (len(layers), rows, heads, columns, D)  # (layers, B, H_kv, C, D)
-        self.cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in "KV"]
-        if device.type != "cuda":
-            return
+        L, D = prompt_len + max_new_tokens, attention.head_dim
+        shape = (len(model.model.layers), batch, attention.k_proj.out_features // D, L, D)
+        self.k_cache, self.v_cache = (torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
+        angles = model.model.rotary_emb(model.model.embed_tokens.weight, torch.arange(L)[None])
+        self.rope = [table[0].to(device) for table in angles]  # (L, D) cos, sin by position
+        self.valid = torch.ones(batch, L, dtype=torch.bool, device=device)  # not left padding
+        self.noise = torch.ones(batch, model.config.vocab_size, device=device)  # for `_pick`
+        self.step = None  # `decode_one_token`, graphed at its first call
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.step()
-            self.step()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.step()
+        compiled = functools.partial(torch.compile, dynamic=False, fullgraph=True,  # or an error
+                                     options={"emulate_precision_casts": True})  # eager rounding
+        self.layer, self.embed, self.draw = map(compiled, (decoder_layer, self.embed, self.draw))
 
-    def prefill(self, input_ids, prompt_mask, n):
-        """The (b, P) prompts through the layers, K, V into the first of each one's n rows, then
-        copied; the last position's logits draw the first tokens."""
-        P = input_ids.shape[1]
-        columns = self.cache_columns[:P, None]  # (P, 1): a prompt token's cache column
-        seen = self.valid[::n, None, None] | (self.cache_columns == columns)  # a pad sees itself
-        mask = seen & (self.cache_columns <= columns)  # (b, 1, P, C)
+    def decode(self, model, input_ids, prompt_mask, n, generator):
+        """The (b, P) prompts decoded n times each: (B, R) tokens, their log-probs, (B,) each row's
+        first EOS index. A host sync every SYNC_EVERY tokens."""
+        B, L = self.valid.shape
+        tokens = torch.zeros(B, L - self.prompt_len, dtype=torch.long, device=input_ids.device)
+        logp = torch.zeros_like(tokens, dtype=torch.float)  # (B, R) each
+        self.valid[:, :self.prompt_len] = prompt_mask.repeat_interleave(n, 0).bool()
+        position = prompt_mask.sum(-1).repeat_interleave(n, 0)  # (B,): the next token's RoPE
+        column = torch.full((1,), self.prompt_len, device=input_ids.device)  # its cache column
+        for t in range(tokens.shape[1]):
+            if t and t % SYNC_EVERY == 0 and bool(done.all()):
+                return tokens[:, :t], logp[:, :t], end
+            if self.temperature:
+                self.noise.exponential_(generator=generator)
+            if t == 0:
+                token, logp[:, t], end, done = self.prefill(model, input_ids, prompt_mask, n)
+            else:
+                if self.step is None:
+                    self.step = graphed(self.decode_one_token, model, token, position, column,
+                                        end, done)
+                token, logp[:, t], end, done = self.step(model, token, position, column, end, done)
+                position, column = position + 1, column + 1
+            tokens[:, t] = token
+        return tokens, logp, end
+
+    def prefill(self, model, input_ids, prompt_mask, n):
+        """The (b, P) prompts through every layer, K, V into the first of each prompt's n cache
+        rows, then copied to the others; the last position draws the first tokens."""
+        columns = torch.arange(self.prompt_len, device=input_ids.device)  # (P,)
         positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # (b, P), as in `_prefill`
-        x = self.model.model.embed_tokens(input_ids)  # (b, P, hidden)
-        delta = torch.zeros_like(x, dtype=self.cache[1].dtype)
-        x, delta = self.layers(x, delta, self.cos[positions], self.sin[positions], columns[:, 0],
-                               mask, slice(None, None, n))
-        for cache in self.cache:
-            rows = cache[:, :, :, :P].unflatten(1, (-1, n))  # (layers, b, n, H_kv, P, D)
-            rows[:, :, 1:] = rows[:, :, :1]
-        self.unembed(x.repeat_interleave(n, 0), delta.repeat_interleave(n, 0))
+        x = self.forward(model, input_ids, positions, columns, slice(None, None, n))
+        for cache in (self.k_cache, self.v_cache):
+            groups = cache[:, :, :, :self.prompt_len].unflatten(1, (-1, n))  # (N, b, n, H_kv, P, D)
+            groups[:, :, 1:] = groups[:, :, :1]
 
-    def step(self):
-        """The last tokens through every layer, then the next ones: three compiled functions."""
-        x, delta, cos, sin, mask = self.embed()
-        self.unembed(*self.layers(x, delta, cos, sin, self.column, mask))
+        end = torch.full((len(self.valid),), len(self.valid[0]) - len(columns), device=x.device)
+        done = torch.zeros_like(end, dtype=torch.bool)
+        return self.draw(model, x.repeat_interleave(n, 0), columns[-1:], end, done)
 
-    def layers(self, x, delta, cos, sin, column, mask, rows=slice(None)):
-        """(rows, S, hidden) tokens through every layer, K, V into the cache's `rows`."""
-        for i, layer in enumerate(self.model.model.layers):
-            x, delta = self.decoder_layer(layer, FUSED[layer], x, delta, cos, sin,
-                                          self.cache[0][i, rows], self.cache[1][i, rows], column,
-                                          mask)
-        return x[:, -1:], delta[:, -1:]
+    def decode_one_token(self, model, token, position, column, end, done):
+        """(B,) last tokens at their RoPE `position` and (1,) cache `column`: the next tokens,
+        their log-probs, `end` and `done` (`_advance`)."""
+        x = self.forward(model, token[:, None], position[:, None], column)
+        return self.draw(model, x, column, end, done)
 
-    def embed(self):
-        """(B, 1, hidden) embeddings, zeros (a first delta), (B, 1, D) RoPE angles, (B, 1, 1, C)
-        attention mask."""
-        mask = (self.valid & (self.cache_columns <= self.column))[:, None, None, :]
-        cos, sin = self.cos[self.position, None], self.sin[self.position, None]
-        x = self.model.model.embed_tokens(self.token[:, None])
-        return x, torch.zeros_like(x, dtype=self.cache[1].dtype), cos, sin, mask
+    def forward(self, model, ids, positions, columns, rows=slice(None)):
+        """(b, S) tokens at RoPE `positions` and cache `columns` through every decoder layer, K, V
+        into the cache's `rows`: the last position's (b, hidden) output."""
+        x, cos, sin, visible = self.embed(model, ids, positions, columns, rows)
+        for i, layer in enumerate(model.model.layers):
+            x = self.layer(layer, *FUSED[layer], x, cos, sin, self.k_cache[i, rows],
+                           self.v_cache[i, rows], columns, visible)
+        return x[:, -1]
 
-    def unembed(self, x, delta):
-        """The next tokens and their log-probs into the outputs."""
-        logits = self.model.lm_head(self.model.model.norm(x + delta))[:, -1]  # (B, V)
-        t = self.column - self.width + 1  # the output column of the token drawn
-        token, logp, end, done = _advance(logits, self.temp, self.noise, self.done, self.end, t,
-                                          self.stop_ids, self.pad)
-        self.tokens.index_copy_(1, t, token[:, None])
-        self.logp.index_copy_(1, t, logp[:, None])
-        self.end.copy_(end)
-        self.done.copy_(done)
-        self.token.copy_(token)
-        self.position.add_(1)
-        self.column.add_(1)
+    def embed(self, model, ids, positions, columns, rows):
+        """(b, S, hidden) embeddings, (b, S, D) RoPE angles, (b, 1, S, L) visible cache columns."""
+        keys = torch.arange(self.valid.shape[1], device=ids.device)  # (L,)
+        visible = self.valid[rows, None] | (keys == columns[:, None])  # a pad sees itself
+        visible = visible & (keys <= columns[:, None])  # causal
+        cos, sin = (table[positions] for table in self.rope)
+        return model.model.embed_tokens(ids), cos, sin, visible[:, None]
+
+    def draw(self, model, x, column, end, done):
+        """The next tokens from the last layer's (B, hidden) output, by `_advance`."""
+        logits = model.lm_head(model.model.norm(x))  # (B, V)
+        t = column + 1 - self.prompt_len  # the index of the token drawn
+        return _advance(logits, self.temperature, self.noise, done, end, t, self.stop_ids,
+                        self.pad)
+
+
+def graphed(fn, model, *inputs):
+    """fn(model, *inputs) as a CUDA graph on a GPU: a call copies its arguments into `inputs`,
+    replays, returns the outputs (the next call overwrites them). First, on a CPU too, two warm-up
+    calls (compile, autotune) on these real inputs: fn must give the same result again."""
+    stream = torch.cuda.Stream() if inputs[0].is_cuda else None
+    if stream:
+        stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # None: a no-op
+        fn(model, *inputs)
+        fn(model, *inputs)
+    if not stream:
+        return fn
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn(model, *inputs)
+
+    def replay(model, *args):
+        for static, arg in zip(inputs, args):
+            static.copy_(arg)  # (a no-op on itself)
+        graph.replay()
+        return outputs
+    return replay
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -1508,27 +1496,24 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + torch.cat((-x[..., mid:], x[..., :mid]), -1) * sin[:, None]
 
 
-def decoder_layer(layer, fused, x, delta, cos, sin, k_cache, v_cache, column, mask):
-    """A layer over (B, S, hidden) tokens x + delta: the last layer's MLP out, added in this norm's
-    kernel (vLLM's fused add-norm); returns (x, its MLP out). `fused`: its (q/k/v, gate/up). K, V
-    into (B, H_kv, C, D) caches; a K/V head's queries are rows of one attention (repeat_kv would
-    copy the cache)."""
+def decoder_layer(layer, qkv_proj, gate_up_proj, x, cos, sin, k_cache, v_cache, columns, visible):
+    """A Llama/Qwen layer over (B, S, hidden) tokens, K, V written at `columns` of its (B, H_kv,
+    L, D) cache. A K/V head's queries are rows of one attention (repeat_kv would copy the cache)."""
     attention, (B, S, _), (H_kv, D) = layer.self_attn, x.shape, k_cache.shape[1::2]
-    x = x + delta
-    heads = fused[0](layer.input_layernorm(x)).view(B, S, -1, D).transpose(1, 2)
-    q, k, v = heads.split([heads.shape[1] - 2 * H_kv, H_kv, H_kv], 1)  # (B, H + 2 H_kv, S, D)
+    qkv = qkv_proj(layer.input_layernorm(x)).view(B, S, -1, D).transpose(1, 2)
+    q, k, v = qkv.split([qkv.shape[1] - 2 * H_kv, H_kv, H_kv], 1)  # (B, H or H_kv, S, D)
     if hasattr(attention, "q_norm"):  # Qwen3
         q, k = attention.q_norm(q), attention.k_norm(k)
-    k_cache.index_copy_(2, column, _rope(k, cos, sin).to(k_cache.dtype))
-    v_cache.index_copy_(2, column, v.to(v_cache.dtype))
+    k_cache = k_cache.index_copy_(2, columns, _rope(k, cos, sin).to(k_cache.dtype))
+    v_cache = v_cache.index_copy_(2, columns, v.to(v_cache.dtype))
 
     groups = q.shape[1] // H_kv  # (B, H, S, D) -> (B, H_kv, groups S, D)
     q = _rope(q, cos, sin).reshape(B, H_kv, groups * S, D)
-    out = F.scaled_dot_product_attention(q, k_cache, v_cache, mask.repeat(1, 1, groups, 1),
+    out = F.scaled_dot_product_attention(q, k_cache, v_cache, visible.repeat(1, 1, groups, 1),
                                          scale=attention.scaling)
     x = x + attention.o_proj(out.view(B, -1, S, D).transpose(1, 2).reshape(B, S, -1))
-    gate, up = fused[1](layer.post_attention_layernorm(x)).chunk(2, -1)  # (B, S, I) each
-    return x, layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+    gate, up = gate_up_proj(layer.post_attention_layernorm(x)).chunk(2, -1)  # (B, S, I) each
+    return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
 
 if __name__ == "__main__":

@@ -1977,7 +1977,8 @@ def test_memory_estimate_terms_against_the_objects_they_count(tiny, problems, dr
         qurl.compiled_sample(sampler, tok, _mixed_prompts(tok, problems, 4), 1, 4, 0.0)
     assert (cache.layers[0].keys.dtype, cache.layers[0].values.dtype) == (torch.float32,
                                                                           torch.bfloat16)
-    compiled = next(iter(qurl.DECODERS[sampler].values())).cache
+    decoder = next(iter(qurl.DECODERS[sampler].values()))
+    compiled = decoder.k_cache, decoder.v_cache
     assert [c.dtype for c in compiled] == [torch.bfloat16, torch.bfloat16]
     eager, fast = (estimate(model, 64, 20, 32, 16, False, "fp8", torch.bfloat16, "cuda", c)
                    for c in (False, True))

@@ -239,13 +239,17 @@ def bench_profile(args: Args, opts) -> list[dict]:
         with qurl.rollout_autocast(fmt, device, dtype), torch.no_grad():
             qurl.compiled_sample(sampler, tok, prompts, 1, args.max_new_tokens)
             decoder = next(iter(qurl.DECODERS[sampler].values()))
-            # back to the first token: room for the steps below
-            decoder.column.fill_(decoder.width - 1)
-            decoder.step()
+            # the first decode step's inputs, run again and again (it rewrites one cache column)
+            long = {"dtype": torch.long, "device": device}
+            column = torch.full((1,), decoder.prompt_len, **long)
+            inputs = (torch.zeros(batch, **long), column.expand(batch).clone(), column,
+                      torch.full((batch,), args.max_new_tokens, **long),
+                      torch.zeros(batch, dtype=torch.bool, device=device))
+            decoder.decode_one_token(sampler, *inputs)
             _sync(device)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(opts.runs):
-                    decoder.step()
+                    decoder.decode_one_token(sampler, *inputs)
                 _sync(device)
         kernels = sorted(
             (
@@ -340,16 +344,18 @@ def bench_kernels(args: Args, opts) -> list[dict]:
             re.M,
         )
         calls = [len(call.findall(code[code.find("def call(") :])) for code in codes]
-        # the decoder layer's graphs (those with attention) run once per layer: the prefill's
-        # (compiled first), then the step's; the step's other graphs run once a token
-        prefill, per_layer = [n for n, code in zip(calls, codes) if "scaled_dot_product" in code]
+        # in the order they compile: the prefill's embed and layer graphs, the draw (the prefill's
+        # and each decode step's), the decode step's embed and layer graphs; a layer graph runs
+        # once per layer
+        assert len(codes) == 5 and all("scaled_dot_product" in codes[i] for i in (1, 4)), calls
+        embed, layer, draw, step_embed, step_layer = calls
         row = {
             "model": opts.model_config or Path(args.model).name,
             "quant": fmt,
             "eager_kernels_per_token": counts[1] - counts[0],
-            "compiled_kernels_per_token": sum(calls) - prefill + per_layer * (layers - 1),
-            "compiled_layer_kernels": per_layer,
-            "compiled_prefill_kernels": prefill * layers,
+            "compiled_kernels_per_token": step_embed + step_layer * layers + draw,
+            "compiled_layer_kernels": step_layer,
+            "compiled_prefill_kernels": embed + layer * layers + draw,
             "compiled_graphs": len(codes),
             "graph_breaks": sum(torch._dynamo.utils.counters["graph_break"].values()),
         }
