@@ -9,9 +9,9 @@ QaRL (arXiv 2604.07853) does. The tokens are then off-policy, so the loss knows 
     logp        pi_theta  the actor being trained               (`token_logprobs`, with grad)
 
 Where each equation lives:
-    group_advantages     GRPO: A_i = (R_i - mean R) / (std R + 1e-6) within a group
+    group_advantages     GRPO: A_i = (reward_i - mean) / (std + 1e-6) within a group
     token_loss("naive")  PPO on pi_theta / pi_behav, the sampler as the old policy (QuRL Eq. 3)
-    token_loss("tis")    R = pi_theta / pi_prox, w = min(pi_prox / pi_behav, C) (QuRL Eq. 5)
+    token_loss("tis")    ratio = pi_theta / pi_prox, w = min(pi_prox / pi_behav, C) (QuRL Eq. 5)
     token_loss("acr")    upper bound (1 + eps_high) / min(1, C pi_behav / pi_prox) (QuRL Eq. 9)
     tbpo_loss            TBPO's sequence ratio, capped weight and trust band (QaRL)
     k3                   k3 KL(pi_behav || pi_prox): the mismatch metric
@@ -84,7 +84,7 @@ class Args:
     test_data: str = arg("data/arith_test.jsonl", "held-out problems")
     quant: str = arg("fp8", "sampler: W8A8 int8/fp8, W4A16 nf4, a bf16/fp16 copy, none (the actor)",
                      choices=["none", "fp16", "bf16", "int8", "fp8", "nf4"])
-    invariant_scale: float | None = arg(None, "QuRL invariant scaling s (1.5 when quantized)")
+    invariant_scale: float | None = arg(None, "QuRL invariant scaling s (1.5 unless --quant none)")
     align_forward: bool = arg(False, "QaRL: train through the sampler's quantizer")
     loss: str = arg("acr", "policy objective", choices=["naive", "tis", "acr", "tbpo"])
     eps_low: float = arg(0.2, "PPO clip: ratio >= 1 - eps_low")
@@ -111,7 +111,7 @@ class Args:
     out_dir: str = arg("runs", "where runs/<run-name>/ is written")
     run_name: str | None = arg(None, "run folder (default <quant>-<loss>-s<seed>)")
     resume: str | None = arg(None, "continue the run in this folder")
-    compile: bool = arg(False, "decode with a static KV cache and a compiled, graph-captured step")
+    compile: bool = arg(False, "decode with a static KV cache, compiled layers, CUDA graphs")
 
 
 # ==================== THE METHOD, 1: the task and its reward
@@ -129,8 +129,8 @@ def format_prompt(question: str, tokenizer) -> str:
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer: '#### 42' (what the prompt asks for; GSM8K's golds), else '\\boxed{42}'
-    (Qwen's instruct models box math answers whatever they are told), else the last number."""
+    """The final answer: '#### 42' (the prompt asks for it; GSM8K's golds), else '\\boxed{42}'
+    (Qwen's instruct models box answers whatever they are told), else the last number."""
     if "####" in text:
         tail = text.rsplit("####", 1)[1].strip().split("\n")[0]
         return _normalize(tail) if tail else None
@@ -177,13 +177,13 @@ def _normalize(answer: str) -> str:
 # ==================== THE METHOD, 2: quantization, sync, scaling
 # `fmt`: a quantizer's format (fp8, int8, nf4); --quant also takes none, bf16, fp16 (no codes)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-INT8_X_MAX = 2.0**14  # bitsandbytes takes fp16 activations (max 65504): larger rows scale down
+INT8_X_MAX = 2.0**14  # bitsandbytes takes fp16 activations (max 65504): larger rows scale
 NF4_BLOCK = 64  # weights per absmax block (QLoRA's NF4, QaRL's W4A16)
 
 
 def quantize_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row FP8 e4m3 (QuRL's W8A8): x ~= x8 * scale[:, None], scale = amax|row| / 448; a row is
-    a weight's output channel or an activation's token."""
+    """Per-row FP8 e4m3 (QuRL's W8A8): x ~= x8 * scale[:, None], scale = amax|row| / 448; a row:
+    a weight's output channel, an activation's token."""
     xf = x.detach().float()
     scale = xf.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
     x8 = (xf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # may not saturate
@@ -199,8 +199,7 @@ def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def quantize(weight: Tensor, fmt: str) -> tuple[Tensor, Tensor, object]:
     """Weights in the sampler's format: (codes, fp32 scales per row or NF4 block, NF4's state).
-    NF4 (QLoRA's) scales blocks of 64 weights by their absmax to the nearest of 16 normal
-    quantiles."""
+    NF4 (QLoRA's) maps blocks of 64 weights, over their absmax, to 16 normal quantiles."""
     if fmt == "fp8":
         codes, scale = quantize_fp8(weight)
         return codes, scale, None
@@ -226,19 +225,17 @@ def dequantize(codes: Tensor, scale: Tensor, state, fmt: str) -> Tensor:
 
 def fp8_matmul(x2: Tensor, weight_q: Tensor, weight_scale: Tensor, kernel: str = "emulate",
                weight_deq: Tensor | None = None) -> Tensor:
-    """y = Q(x2) Q(W)^T in FP8, (M, K) activations quantized per token here, (N, K) weight codes:
-    torch._scaled_mm, or the same math by dequantize-and-matmul (on `weight_deq` if given)."""
+    """y = Q(x2) Q(W)^T in FP8, (M, K) activations quantized per token, (N, K) weight codes:
+    torch._scaled_mm, or the same math dequantized (on `weight_deq` if given)."""
     with torch.autocast(x2.device.type, enabled=False):  # the kernel fixes its own numerics
         x8, x_scale = quantize_fp8(x2)  # (M, K) codes, (M,) scales
         x_scale = x_scale[:, None]
-        if kernel == "scaled_mm":  # bf16 out on CUDA (the kernel's own rounding), fp32 on CPU
-            out_dtype = torch.bfloat16 if x2.is_cuda else torch.float32
-            scale_b = weight_scale[None, :]
-            return torch._scaled_mm(x8, weight_q.t(), x_scale, scale_b, out_dtype=out_dtype)
+        dtype = torch.bfloat16 if x2.is_cuda else torch.float32  # holds every e4m3 code
+        if kernel == "scaled_mm":  # out in bf16 on CUDA (the kernel's own rounding), fp32 on CPU
+            return torch._scaled_mm(x8, weight_q.t(), x_scale, weight_scale[None], out_dtype=dtype)
 
         if weight_deq is not None:  # the scales applied before the sum
             return F.linear(x8.float() * x_scale, weight_deq)
-        dtype = torch.bfloat16 if x2.is_cuda else torch.float32  # bf16 holds every e4m3 code
         return (x8.to(dtype) @ weight_q.to(dtype).t()).float() * x_scale * weight_scale
 
 
@@ -256,14 +253,14 @@ def int8_matmul(x2: Tensor, weight_q: Tensor, weight_absmax: Tensor) -> Tensor:
 
 def int8_shift(x2: Tensor) -> Tensor:
     """(M, 1) powers of 2 that bring each row's absmax under INT8_X_MAX (real checkpoints carry
-    activations of 1e4-1e5): dividing and multiplying back is exact."""
+    activations of 1e4-1e5): dividing, multiplying back is exact."""
     amax = x2.detach().float().abs().amax(dim=-1, keepdim=True)
     return torch.exp2(torch.ceil(torch.log2((amax / INT8_X_MAX).clamp(min=1.0))))
 
 
 class QuantLinear(nn.Module):
     """nn.Linear in the sampler. fp8 (e4m3), int8 (LLM.int8): W8A8, weights with per-output-channel
-    scales, activations quantized per token on the fly. nf4: W4A16 (QaRL's), 4-bit weights."""
+    scales, activations quantized per token. nf4: W4A16 (QaRL's), 4-bit weights."""
 
     def __init__(self, linear: nn.Linear, fmt: str):
         super().__init__()
@@ -273,7 +270,7 @@ class QuantLinear(nn.Module):
             self.kernel = "scaled_mm"
         self.register_buffer("weight_q", None)
         self.register_buffer("weight_scale", None)
-        self.register_buffer("weight_deq", None, persistent=False)  # CPU: the values, per sync
+        self.register_buffer("weight_deq", None, persistent=False)  # CPU: values, per sync
         self.register_buffer("bias", None)
         if linear.bias is not None:
             self.bias = linear.bias.detach().clone()
@@ -293,7 +290,7 @@ class QuantLinear(nn.Module):
                 changed = int(((diff & 0x0F) != 0).sum() + ((diff & 0xF0) != 0).sum())
             else:
                 changed = int((diff != 0).sum())
-            self.weight_q.copy_(codes)  # in place: a compiled decode step holds them
+            self.weight_q.copy_(codes)  # in place: a compiled decode holds them
             self.weight_scale.copy_(scale)
         if self.nf4_state is not None:
             self.nf4_state.absmax = self.weight_scale
@@ -339,15 +336,14 @@ def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def quantized_copy(actor: nn.Module, fmt: str) -> nn.Module:
     """A frozen copy of the actor, its decoder linears QuantLinear (the actor is untouched)."""
-    # deepcopy's memo swaps each linear for its QuantLinear: no second fp32 copy (28 GB at 7B)
+    # deepcopy's memo swaps each linear for its QuantLinear: no second fp32 copy
     memo = {id(linear): QuantLinear(linear, fmt) for _, linear in decoder_linears(actor)}
     return copy.deepcopy(actor, memo).eval().requires_grad_(False)
 
 
 def make_sampler(actor: nn.Module, quant: str, dtype: torch.dtype) -> nn.Module:
-    """The sampler. none: the actor (zero mismatch); bf16, fp16: a copy in that dtype (RoPE's
-    buffers stay fp32); int8, fp8, nf4: `quantized_copy`, its lm_head cast to `dtype` (the rest
-    fp32 under the actor's autocast)."""
+    """none: the actor (no mismatch); bf16, fp16: a copy in that dtype (RoPE's buffers fp32);
+    int8, fp8, nf4: `quantized_copy`, its lm_head in `dtype`, the rest fp32 under autocast."""
     if quant == "none":
         return actor
     if quant in ("bf16", "fp16"):
@@ -364,7 +360,7 @@ def make_sampler(actor: nn.Module, quant: str, dtype: torch.dtype) -> nn.Module:
 
 @torch.no_grad()
 def sync_weights(sampler: nn.Module, actor: nn.Module) -> float:
-    """sampler <- actor, in place: re-quantize every QuantLinear, copy the rest. Returns the flip
+    """sampler <- actor in place: re-quantize each QuantLinear, copy the rest. Returns the flip
     rate, the share of codes (half copies: values) changed: QuRL's weight-update problem."""
     if sampler is actor:
         return 0.0
@@ -385,29 +381,28 @@ def sync_weights(sampler: nn.Module, actor: nn.Module) -> float:
 
 
 @torch.no_grad()
-def invariant_rescale(model: nn.Module, scale: float) -> None:
-    """QuRL's update-aware quantization (Eq. 11-12), once before RL: W x = (W / s)(s x), s =
-    `scale`: q/k/v and gate/up weights divided by s, the RMSNorms feeding them multiplied. W / s
-    has an s times finer quantization step while an Adam update keeps its size: more updates
-    flip a code and reach the sampler."""
+def invariant_rescale(model: nn.Module, s: float) -> None:
+    """QuRL's update-aware quantization (Eq. 11-12), once before RL: W x = (W / s)(s x), q/k/v and
+    gate/up weights divided by s, the RMSNorms before them multiplied. W / s has an s times finer
+    grid; an Adam update keeps its size: more updates reach the sampler."""
     if type(model).__name__ not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"):
         raise QurlError(f"invariant scaling supports Qwen2, Qwen3 and Llama, not "
                         f"{type(model).__name__}: use --invariant-scale 1")
     for layer in model.model.layers:
         attention, mlp = layer.self_attn, layer.mlp
-        groups = [(layer.input_layernorm, [attention.q_proj, attention.k_proj, attention.v_proj]),
-                  (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])]
-        for norm, linears in groups:
-            norm.weight.mul_(scale)  # s x (an RMSNorm's output is linear in its weight)
+        pairs = [(layer.input_layernorm, [attention.q_proj, attention.k_proj, attention.v_proj]),
+                 (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])]
+        for norm, linears in pairs:
+            norm.weight.mul_(s)  # s x (an RMSNorm's output is linear in its weight)
             for linear in linears:
-                linear.weight.div_(scale)  # W / s (the bias stays: (W / s)(s x) + b = W x + b)
+                linear.weight.div_(s)  # W / s (the bias stays: (W / s)(s x) + b = W x + b)
 
 
 def fake_quant(x: Tensor, fmt: str) -> Tensor:
     """Quantize-dequantize in the sampler's format: the value quantized, the gradient identity."""
-    rows = x if fmt == "nf4" else x.reshape(-1, x.shape[-1])
-    shift = int8_shift(rows) if fmt == "int8" else 1.0  # as the sampler handles overflow
-    values = dequantize(*quantize(rows / shift, fmt), fmt) * shift
+    x2 = x if fmt == "nf4" else x.reshape(-1, x.shape[-1])  # W8A8: (M, K), a row per token
+    shift = int8_shift(x2) if fmt == "int8" else 1.0  # as the sampler handles overflow
+    values = dequantize(*quantize(x2 / shift, fmt), fmt) * shift
     return x + (values.reshape(x.shape).to(x.dtype) - x).detach()
 
 
@@ -437,14 +432,14 @@ def rollout_aligned(model: nn.Module, fmt: str | None):
 
 
 # ==================== THE METHOD, 3: the rollout, recording logp_behav
-SYNC_EVERY = 8  # decode steps between host syncs on a GPU (each stalls the launch queue)
+SYNC_EVERY = 8  # tokens between host syncs on a GPU (each stalls the launch queue)
 
 
 @dataclass
 class Rollout:
-    input_ids: Tensor  # (B, P + R): the left-padded prompt, then the response
+    input_ids: Tensor  # (B, P + R): the left-padded prompt, the response
     attention_mask: Tensor  # (B, P + R): 0 on the left padding
-    response_mask: Tensor  # (B, R): 1 up to and including the first EOS (by position)
+    response_mask: Tensor  # (B, R): 1 up to the first EOS, included (by position)
     logp_behav: Tensor  # (B, R): each token's log-prob where it was drawn
     prompt_len: int  # P: response token r sits at column P + r
     texts: list[str]
@@ -452,29 +447,29 @@ class Rollout:
 
 
 def _pick(logits: Tensor, temperature: float, noise: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The next token and its log-prob under p = softmax(logits / T), where it comes from (no top-k
-    or top-p, which the ratio would have to reproduce): argmax(p / E), E ~ Exponential(1) `noise`,
-    is torch.multinomial's own algorithm, with no host sync."""
+    """The next token and its log-prob under p = softmax(logits / T), no top-k or top-p (the
+    ratio would have to reproduce them): argmax(p / E), E ~ Exponential(1) `noise`, is
+    torch.multinomial's own algorithm, without its host sync."""
     if temperature == 0:  # greedy; the log-prob is reported at T = 1
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        token = logp.argmax(dim=-1)
-        return token, logp.gather(-1, token[:, None]).squeeze(-1)
+        log_probs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+        token = log_probs.argmax(dim=-1)
+        return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
     token = probs.div(noise).argmax(dim=-1)
     return token, probs.gather(-1, token[:, None]).log().squeeze(-1)
 
 
 def _advance(logits, temperature, noise, done, end, t, stop_ids, pad):
-    """A decode step's bookkeeping (both decodes'): the next tokens, padding after a row's end, and
-    their log-probs; a row's first stop token sets its `end` to t and marks it done."""
-    token, logp = _pick(logits, temperature, noise)
+    """Token t's bookkeeping (both decodes'): the next tokens (padding after a row's end), their
+    log-probs; a row's first stop token sets its `end` to t, marks it done."""
+    token, logp_behav = _pick(logits, temperature, noise)
     token = torch.where(done, pad, token)
     finished = torch.isin(token, stop_ids) & ~done
-    return token, logp, torch.where(finished, t, end), done | finished
+    return token, logp_behav, torch.where(finished, t, end), done | finished
 
 
 def encode(tokenizer, prompts: list[str], device, multiple: int | None = None):
-    """The prompts' token ids, left-padded (to a multiple of `multiple`), and their mask."""
+    """(b, P) token ids, left-padded (to a multiple of `multiple`), and their mask."""
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
                         padding_side="left", pad_to_multiple_of=multiple).to(device)
     return encoded["input_ids"], encoded["attention_mask"]
@@ -500,19 +495,27 @@ def _prefill(model, tokenizer, input_ids: Tensor, attention_mask: Tensor):
     return logits, cache, {keyword: cache}, stop_ids
 
 
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """EOS ids: the tokenizer's and the generation config's (Qwen: also <|im_end|>)."""
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    if not isinstance(configured, (list, tuple)):
+        configured = [configured]
+    return sorted({i for i in [tokenizer.eos_token_id, *configured] if i is not None})
+
+
 @torch.no_grad()
 def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64,
            temperature: float = 1.0, generator: torch.Generator | None = None) -> Rollout:
-    """n samples of each prompt, a token per step for the batch, with a KV cache. Each prompt is
-    prefilled once; finished rows leave when a quarter of the batch is done. Positions come from
-    the attention mask: left padding does not shift RoPE."""
+    """n samples of each prompt, a token at a time, with a KV cache. Each prompt is prefilled
+    once; finished rows leave when a quarter of the rows are done. RoPE positions come from the
+    attention mask: left padding does not shift them."""
     device = next(model.parameters()).device
     input_ids, prompt_mask = encode(tokenizer, prompts, device)  # (b, P)
     B, pad = len(prompts) * n, tokenizer.pad_token_id
     logits, cache, cache_kwarg, stop_ids = _prefill(model, tokenizer, input_ids, prompt_mask)
     cache.batch_repeat_interleave(n)  # rows i n .. i n + n - 1 are prompt i's samples
     logits = logits.repeat_interleave(n, 0)  # (B, V)
-    attention_mask = prompt_mask.repeat_interleave(n, 0)  # (B, P), then a column a step
+    attention_mask = prompt_mask.repeat_interleave(n, 0)  # (B, P), then a column a token
     position = attention_mask.sum(-1)  # (B,): the next RoPE position
 
     tokens = torch.full((B, max_new_tokens), pad, device=device)  # (B, R) by output row
@@ -522,14 +525,13 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
     done = torch.zeros(B, dtype=torch.bool, device=device)
     for t in range(max_new_tokens):
         noise = torch.empty_like(logits, dtype=torch.float).exponential_(generator=generator)
-        token, logp, end[out_rows], done = _advance(logits, temperature, noise, done,
-                                                    end[out_rows], t, stop_ids, pad)  # (b,) each
+        token, logp_behav[out_rows, t], end[out_rows], done = _advance(
+            logits, temperature, noise, done, end[out_rows], t, stop_ids, pad)  # (b,) each
         tokens[out_rows, t] = token
-        logp_behav[out_rows, t] = logp
         if t == max_new_tokens - 1:
             break
 
-        # a host sync: each step on a CPU, every SYNC_EVERY on a GPU
+        # a host sync: each token on a CPU, every SYNC_EVERY on a GPU
         if device.type == "cpu" or t % SYNC_EVERY == 0:
             n_done = int(done.sum())
             if n_done == len(out_rows):
@@ -549,8 +551,8 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
 
 
 def _finish(tokenizer, input_ids, prompt_mask, n, tokens, logp_behav, end) -> Rollout:
-    """The Rollout of (B, R) tokens and log-probs, (B,) first EOS, (b, P) prompts sampled n times
-    each: tokens after the EOS become padding."""
+    """The Rollout of (B, R) tokens, log-probs, (B,) first EOS of (b, P) prompts n times each:
+    tokens after the EOS become padding."""
     R = tokens.shape[1]
     response_mask = (torch.arange(R, device=tokens.device)[None, :] <= end[:, None]).float()
     tokens = tokens.masked_fill(response_mask == 0, tokenizer.pad_token_id)
@@ -573,7 +575,7 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, response_ma
     R = response_mask.shape[1]
     if temperature <= 0:  # greedy rollouts are scored at T = 1
         temperature = 1.0
-    out = []
+    chunks = []
     for i in range(0, input_ids.shape[0], micro_batch):
         ids, mask = input_ids[i:i + micro_batch], attention_mask[i:i + micro_batch]  # (b, P + R)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -582,9 +584,9 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, response_ma
         z = logits.float()
         if temperature != 1.0:
             z = z / temperature
-        out.append(z.gather(-1, ids[:, -R:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1))
+        chunks.append(z.gather(-1, ids[:, -R:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1))
         del logits, z
-    return torch.cat(out) * response_mask
+    return torch.cat(chunks) * response_mask
 
 
 # ==================== THE METHOD, 5: advantages and losses
@@ -605,8 +607,8 @@ def k3(log_ratio: Tensor) -> Tensor:
 
 
 def group_advantages(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
-    """GRPO: A_i = (R_i - mean_group R) / (std_group R + 1e-6), unbiased std (as TRL), in groups
-    of consecutive rows; has_signal: False where a group's rewards are equal (A = 0)."""
+    """GRPO: A_i = (reward_i - mean) / (std + 1e-6) in groups of consecutive rows, unbiased std
+    (as TRL); has_signal: False where a group's rewards are equal (A = 0)."""
     grouped = rewards.float().view(-1, group_size)
     std = grouped.std(dim=1, keepdim=True)
     adv = (grouped - grouped.mean(dim=1, keepdim=True)) / (std + 1e-6)
@@ -617,10 +619,9 @@ def group_advantages(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
 def token_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, mask: Tensor,
                kind: str, eps_low: float, eps_high: float, is_cap: float,
                denom: Tensor | float | None = None) -> tuple[Tensor, dict]:
-    """Token-level objectives over (B, R) log-probs, (B,) adv, a (B, R) mask: naive clips
-    pi_theta / pi_behav; tis clips R = pi_theta / pi_prox, weighted by w = min(pi_prox / pi_behav,
-    C); acr also widens the upper bound where w was truncated. The mean over the mask's tokens
-    (DAPO), or the sum over `denom` (the mini-batch's, when accumulating)."""
+    """Token objectives over (B, R) log-probs, (B,) adv, (B, R) mask: naive clips pi_theta /
+    pi_behav; tis clips pi_theta / pi_prox, weighted by w = min(pi_prox / pi_behav, C); acr widens
+    the upper bound where w is truncated. The mean over the mask (DAPO), or the sum / `denom`."""
     logp_prox, logp_behav = logp_prox.detach(), logp_behav.detach()
     adv = adv.detach().to(logp.dtype)[:, None]  # a token takes its sequence's advantage
     mask = mask.to(logp.dtype)
@@ -630,31 +631,30 @@ def token_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor,
         ratio = (logp - logp_behav).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # pi_theta/behav
         w = torch.ones_like(ratio)
     else:
-        ratio = (logp - logp_prox).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # R
+        ratio = (logp - logp_prox).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # pi_theta/prox
         w = log_w.exp().clamp(max=is_cap)  # QuRL Eq. 5: w = min(pi_prox / pi_behav, C), no grad
     if kind == "acr":
         r = (is_cap * (-log_w).exp()).clamp(max=1.0)  # QuRL Eq. 9: r = min(1, C pi_behav/pi_prox)
         upper = upper / r  # QuRL Eq. 9: the upper bound (1 + eps_high) / r
 
     clipped = torch.minimum(torch.maximum(ratio, torch.full_like(ratio, 1 - eps_low)), upper)
-    per_token = -w * torch.minimum(ratio * adv, clipped * adv)  # -min(R A, clip(R) A)
+    per_token = -w * torch.minimum(ratio * adv, clipped * adv)  # -w min(ratio A, clip(ratio) A)
     if denom is None:
         denom = mask.sum().clamp(min=1.0)
-    out = (per_token * mask).sum() / denom
+    loss = (per_token * mask).sum() / denom
 
     ratio = ratio.detach()
     clip_low = ((ratio < 1 - eps_low) & (adv < 0)).to(mask.dtype)  # tokens the clip stops
     clip_high = ((ratio > upper) & (adv > 0)).to(mask.dtype)
-    return out, {"loss/policy": out.detach(), "clip/low": masked_mean(clip_low, mask),
+    return loss, {"loss/policy": loss.detach(), "clip/low": masked_mean(clip_low, mask),
                  "clip/high": masked_mean(clip_high, mask),
                  "clip/acr_upper": masked_mean(upper, mask)}
 
 
 def tbpo_ratio(logp: Tensor, logp_prox: Tensor, adv: Tensor, mask: Tensor,
                tbpo_band: tuple[float, float, float]) -> tuple[Tensor, ...]:
-    """TBPO's sequence ratio s_i = exp(mean_t log pi_theta / pi_prox) (a geometric mean, as GSPO),
-    and (B,) in_band, below, above. A >= 0 below 1 - LO stays in: min(s A, clip(s) A) = s A,
-    whose gradient pushes s back up."""
+    """TBPO's sequence ratio s_i = exp(mean_t log pi_theta / pi_prox) (geometric, as GSPO), and
+    (B,) in_band, below, above. A >= 0 below 1 - LO stays: min(s A, clip(s) A) = s A pushes up."""
     lo, hi_pos, hi_neg = tbpo_band
     log_ratio = masked_mean(logp - logp_prox.detach(), mask, dim=1)
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
@@ -667,9 +667,9 @@ def tbpo_ratio(logp: Tensor, logp_prox: Tensor, adv: Tensor, mask: Tensor,
 def tbpo_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, mask: Tensor,
               is_cap: float, tbpo_band: tuple[float, float, float],
               denom: Tensor | float | None = None) -> tuple[Tensor, dict]:
-    """QaRL's Trust-Band Policy Optimization per sequence, over `token_loss`'s shapes: A >= 0
-    PPO-clipped to [1 - LO, 1 + HI+], A < 0 held in the band [1 - LO, 1 + HI-]. Sequences out of
-    band leave the loss and its denominator (their count, or `denom` when accumulating)."""
+    """QaRL's Trust-Band Policy Optimization over `token_loss`'s shapes: A >= 0 PPO-clipped to
+    [1 - LO, 1 + HI+], A < 0 held in [1 - LO, 1 + HI-]. Sequences out of band leave the loss and
+    its denominator (their count, or `denom`)."""
     adv, mask = adv.detach().to(logp.dtype), mask.to(logp.dtype)
     lo, hi_pos, hi_neg = tbpo_band
     ratio, in_band, below, above = tbpo_ratio(logp, logp_prox, adv, mask, tbpo_band)
@@ -678,31 +678,16 @@ def tbpo_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, 
 
     positive = torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi_pos) * adv)  # A >= 0: clip
     negative = ratio.clamp(1 - lo, 1 + hi_neg) * adv  # A < 0: the band
-    out = -(in_band * w_hat * torch.where(adv >= 0, positive, negative)).sum()
+    loss = -(in_band * w_hat * torch.where(adv >= 0, positive, negative)).sum()
     if denom is None:
         denom = in_band.sum().clamp(min=1)
-    out = out / denom
+    loss = loss / denom
 
     nonempty = mask.sum(1) > 0
     n_nonempty = nonempty.sum().clamp(min=1)
-    return out, {"loss/policy": out.detach(), "tbpo/kept": in_band.sum() / n_nonempty,
+    return loss, {"loss/policy": loss.detach(), "tbpo/kept": in_band.sum() / n_nonempty,
                  "clip/low": (below & nonempty).sum() / n_nonempty,
                  "clip/high": (above & nonempty).sum() / n_nonempty}
-
-
-def policy_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, mask: Tensor,
-                kind: str, eps_low: float, eps_high: float, is_cap: float,
-                tbpo_band: tuple[float, float, float],
-                denom: Tensor | float | None = None) -> tuple[Tensor, dict]:
-    """`tbpo_loss` or `token_loss`, with the sampled tokens' entropy; gradient into logp only. The
-    metrics are 0-dim tensors: on a GPU each float() is a host sync."""
-    if kind == "tbpo":
-        out, metrics = tbpo_loss(logp, logp_prox, logp_behav, adv, mask, is_cap, tbpo_band, denom)
-    else:
-        out, metrics = token_loss(logp, logp_prox, logp_behav, adv, mask, kind, eps_low, eps_high,
-                                  is_cap, denom)
-    entropy = masked_mean(-logp.detach(), mask.to(logp.dtype))
-    return out, {"loss/entropy": entropy, **metrics}
 
 
 def mismatch_metrics(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> dict:
@@ -802,8 +787,8 @@ def train_step(learner: Learner, args: Args, problems: list[dict], step: int) ->
 
 def update(learner: Learner, args: Args, batch: dict) -> tuple[dict, Tensor]:
     """--ppo-epochs passes, --mini-batches optimizer steps each. Returns the mean metrics and
-    pi_prox (B, R), the actor's before its first step: the first mini-batch's forward, detached
-    (one update per rollout: every row), a no-grad forward the rest."""
+    pi_prox (B, R), the actor's before its first optimizer step: the first mini-batch's forward
+    detached, a no-grad forward for the rest."""
     mini_batches = _batches(len(batch["input_ids"]), args.mini_batches)  # slices of rows
     logp_prox = torch.zeros_like(batch["logp_behav"])  # (B, R)
     if len(mini_batches) > 1:
@@ -814,7 +799,7 @@ def update(learner: Learner, args: Args, batch: dict) -> tuple[dict, Tensor]:
     logs, skipped = [], 0
     for epoch in range(args.ppo_epochs):
         for rows in mini_batches:
-            first = epoch == 0 and rows == mini_batches[0]  # no step yet: pi_theta is pi_prox
+            first = epoch == 0 and rows == mini_batches[0]  # pi_theta is pi_prox till a step
             prox = None if first else logp_prox[rows]
             learner.optimizer.zero_grad(set_to_none=True)
             metrics, finite, logp = backward_mini_batch(learner, args, select(batch, rows), prox)
@@ -845,17 +830,17 @@ def _batches(n_rows: int, n_parts: int) -> list[slice]:
 
 def backward_mini_batch(learner: Learner, args: Args, mini: dict,
                         logp_prox: Tensor | None) -> tuple[dict, bool, Tensor]:
-    """A mini-batch's gradient accumulated over micro-batches, each loss divided by the mini-batch's
+    """A mini-batch's gradient over micro-batches, each loss divided by the mini-batch's
     denominator: the one-pass gradient at a micro-batch's memory. logp_prox None: the forward's
     own. Returns (metrics, all finite, the (b, R) logp detached)."""
     mask = mini["response_mask"]  # (b, R)
     micro_batches = [slice(i, i + args.micro_batch) for i in range(0, len(mask), args.micro_batch)]
-    options = dict(kind=args.loss, eps_low=args.eps_low, eps_high=args.eps_high,
-                   is_cap=args.is_cap, tbpo_band=tuple(args.tbpo_band))
+    loss_fn = functools.partial(token_loss, kind=args.loss, eps_low=args.eps_low,
+                                eps_high=args.eps_high, is_cap=args.is_cap)
     denom = mask.sum().clamp(min=1.0)  # token losses: the mini-batch's tokens
     if args.loss == "tbpo":  # TBPO: the sequences in band
         in_band = mask.sum(1) > 0  # pi_prox the forward's own: s = 1, all in band
-        if logp_prox is not None:  # after a step: count them first, in a no-grad pass
+        if logp_prox is not None:  # after an optimizer step: count them, no grad
             bands = []
             for rows in micro_batches:
                 with torch.no_grad():
@@ -864,6 +849,7 @@ def backward_mini_batch(learner: Learner, args: Args, mini: dict,
                 bands.append(tbpo_ratio(logp, logp_prox[rows], adv, mask[rows], args.tbpo_band)[1])
             in_band = torch.cat(bands)
         denom = in_band.sum().clamp(min=1).to(mask.dtype)
+        loss_fn = functools.partial(tbpo_loss, is_cap=args.is_cap, tbpo_band=args.tbpo_band)
 
     logps, proxes, finite = [], [], torch.tensor(True)
     for rows in micro_batches:
@@ -872,16 +858,16 @@ def backward_mini_batch(learner: Learner, args: Args, mini: dict,
         prox = logp.detach()
         if logp_prox is not None:
             prox = logp_prox[rows]
-        loss, _ = policy_loss(logp, prox, micro["logp_behav"], micro["adv"],
-                              micro["response_mask"], denom=denom, **options)
+        loss, _ = loss_fn(logp, prox, micro["logp_behav"], micro["adv"], micro["response_mask"],
+                          denom=denom)
         loss.backward()
         finite = finite & torch.isfinite(loss.detach())
         logps.append(logp.detach())
         proxes.append(prox)
 
     logp, prox = torch.cat(logps), torch.cat(proxes)  # (b, R) each
-    _, metrics = policy_loss(logp, prox, mini["logp_behav"], mini["adv"], mask, denom=denom,
-                             **options)
+    _, metrics = loss_fn(logp, prox, mini["logp_behav"], mini["adv"], mask, denom=denom)
+    metrics["loss/entropy"] = masked_mean(-logp, mask)  # of the sampled tokens
     values = torch.stack([*metrics.values(), finite]).tolist()  # one host sync
     return dict(zip(metrics, values)), bool(values[-1]), logp
 
@@ -889,12 +875,12 @@ def backward_mini_batch(learner: Learner, args: Args, mini: dict,
 # ==================== THE METHOD, 7: the training loop
 def train(args: Args) -> dict:
     """The RL loop: train_step, an evaluation every --eval-every steps, a checkpoint every
-    SAVE_EVERY steps and on Ctrl-C or SIGTERM."""
+    SAVE_EVERY and on Ctrl-C or SIGTERM."""
     learner, run = start_run(args)
     with stop_requests(), open_log(run, args) as log:
         for step in range(run.step + 1, args.steps + 1):
-            for group in learner.optimizer.param_groups:
-                group["lr"] = lr_at(step, args.steps, args.lr, args.lr_schedule)
+            for param_group in learner.optimizer.param_groups:
+                param_group["lr"] = lr_at(step, args.steps, args.lr, args.lr_schedule)
             problems = [run.train_set[run.order[(run.data_pos + i) % len(run.order)]]
                         for i in range(args.prompts_per_step)]
             metrics = train_step(learner, args, problems, step)
@@ -1005,22 +991,22 @@ def load_problems(spec: str, split: str = "train") -> list[dict]:
         if not Path(spec).is_file():
             raise QurlError(f"data file not found: {spec}")
         lines = enumerate(Path(spec).read_text(encoding="utf-8").splitlines(), 1)
-        rows = [(f"{spec}:{number}", line) for number, line in lines if line.strip()]
+        records = [(f"{spec}:{number}", line) for number, line in lines if line.strip()]
     else:
-        rows = _load_from_hub(spec, split)
+        records = _load_from_hub(spec, split)
 
     problems = []
-    for where, row in rows:
+    for where, record in records:
         try:
-            row = json.loads(row) if isinstance(row, str) else row
+            record = json.loads(record) if isinstance(record, str) else record
         except json.JSONDecodeError as e:
             raise QurlError(f"{where}: malformed JSON line ({e.msg})") from None
-        if not isinstance(row, dict) or not {"question", "answer"} <= set(row):
+        if not isinstance(record, dict) or not {"question", "answer"} <= set(record):
             raise QurlError(f"{where}: not an object with a question and an answer")
-        gold = extract_answer(str(row["answer"]))
+        gold = extract_answer(str(record["answer"]))
         if gold is None:
-            raise QurlError(f"{where}: the gold answer does not parse: {row['answer']!r:.80}")
-        problems.append({"question": str(row["question"]), "gold": gold})
+            raise QurlError(f"{where}: the gold answer does not parse: {record['answer']!r:.80}")
+        problems.append({"question": str(record["question"]), "gold": gold})
 
     if not problems:
         raise QurlError(f"{spec}: no problems found (empty data set)")
@@ -1028,7 +1014,7 @@ def load_problems(spec: str, split: str = "train") -> list[dict]:
 
 
 def _load_from_hub(name: str, split: str) -> list[tuple[str, dict]]:
-    """A hub data set's rows (gsm8k: config main)."""
+    """A hub data set's records (gsm8k: config main)."""
     if Path(name).exists() or name.startswith((".", "/")) or name.count("/") != 1:
         raise QurlError(f"data '{name}' is neither a .jsonl file nor a hub name")
     import datasets
@@ -1040,12 +1026,12 @@ def _load_from_hub(name: str, split: str) -> list[tuple[str, dict]]:
     except Exception as e:
         raise QurlError(f"cannot load hub data set '{name}' ({type(e).__name__}: "
                         f"{str(e).splitlines()[0]:.150}); a local .jsonl works offline") from None
-    return [(f"{name}[{split}] row {i + 1}", row) for i, row in enumerate(table)]
+    return [(f"{name}[{split}] row {i + 1}", record) for i, record in enumerate(table)]
 
 
 def resolve_device_dtype(dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
     """CUDA when torch sees it (CUDA_VISIBLE_DEVICES= for the CPU); auto: bf16 on CUDA."""
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dtype == "auto":
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
         dtype = "bfloat16" if bf16 else "float32"
@@ -1081,14 +1067,6 @@ def load_model(name: str = "data/tiny-qwen", device="cpu", dtype=torch.float32):
     return model, tokenizer
 
 
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """EOS ids: the tokenizer's and the generation config's (Qwen: also <|im_end|>)."""
-    configured = getattr(model.generation_config, "eos_token_id", None)
-    if not isinstance(configured, (list, tuple)):
-        configured = [configured]
-    return sorted({i for i in [tokenizer.eos_token_id, *configured] if i is not None})
-
-
 def prepare_actor(actor: nn.Module, grad_checkpointing: bool = False) -> None:
     """No dropout: pi_prox and pi_theta would be noisy estimates of one policy."""
     for module in actor.modules():  # nn.Dropout's p, and transformers' attention's float
@@ -1113,7 +1091,7 @@ def check_prompt_lengths(model, tokenizer, problems: list[dict], max_new_tokens:
 
 def run_dir(args: Args) -> Path:
     """The run folder: a default name is numbered (-2, -3, ...) when taken; a typed name that
-    exists is refused (nothing is ever replaced)."""
+    exists is refused (nothing is replaced)."""
     if args.resume:
         if not (Path(args.resume) / "ckpt.pt").is_file():
             raise QurlError(f"--resume {args.resume}: no checkpoint there")
@@ -1135,7 +1113,7 @@ class RunState:
     train_set: list[dict]
     test_set: list[dict]
     order: list[int]  # a permutation of train_set's indices
-    scale: float  # invariant scaling's s
+    invariant_scale: float  # s
     step: int = 0  # the last step finished
     data_pos: int = 0  # problems consumed so far
     first_eval: float | None = None  # the starting accuracy; the latest
@@ -1156,11 +1134,11 @@ def start_run(args: Args) -> tuple[Learner, RunState]:
     check_prompt_lengths(actor, tokenizer, train_set + test_set, args.max_new_tokens)
     folder = run_dir(args)
 
-    scale = args.invariant_scale  # default: 1 for --quant none, else 1.5
-    if scale is None:
-        scale = 1.0 if args.quant == "none" else 1.5
-    if scale != 1.0:
-        invariant_rescale(actor, scale)
+    s = args.invariant_scale  # default: 1 for --quant none, else 1.5
+    if s is None:
+        s = 1.0 if args.quant == "none" else 1.5
+    if s != 1.0:
+        invariant_rescale(actor, s)
     ckpt = load_checkpoint(folder / "ckpt.pt", actor) if args.resume else None
 
     optimizer = torch.optim.AdamW(actor.parameters(), args.lr, (0.9, 0.99), weight_decay=0.0)
@@ -1168,7 +1146,7 @@ def start_run(args: Args) -> tuple[Learner, RunState]:
     learner = Learner(actor, optimizer, make_sampler(actor, args.quant, dtype), tokenizer,
                       generator, dtype)
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.seed + 1))
-    run = RunState(folder, train_set, test_set, order.tolist(), scale)
+    run = RunState(folder, train_set, test_set, order.tolist(), s)
     if ckpt:
         resume_from(learner, run, ckpt)
         notice(f"resuming from {folder / 'ckpt.pt'} (written after step {run.step}): step "
@@ -1245,11 +1223,11 @@ def open_log(run: RunState, args: Args):
 def save_checkpoint(learner: Learner, run: RunState) -> None:
     """What a run resumes from, moved into place by os.replace: a crash leaves a whole one."""
     sampler = None if learner.sampler is learner.actor else learner.sampler.state_dict()
-    state = {"step": run.step, "data_pos": run.data_pos, "skipped": run.skipped,
-             "first_eval": run.first_eval, "actor": learner.actor.state_dict(),
-             "optimizer": learner.optimizer.state_dict(), "sampler": sampler,  # its codes: flips
-             "rng": (random.getstate(), torch.get_rng_state(), learner.generator.get_state())}
-    torch.save(state, run.dir / "ckpt.pt.tmp")
+    ckpt = {"step": run.step, "data_pos": run.data_pos, "skipped": run.skipped,
+            "first_eval": run.first_eval, "actor": learner.actor.state_dict(),
+            "optimizer": learner.optimizer.state_dict(), "sampler": sampler,  # its codes: flips
+            "rng": (random.getstate(), torch.get_rng_state(), learner.generator.get_state())}
+    torch.save(ckpt, run.dir / "ckpt.pt.tmp")
     os.replace(run.dir / "ckpt.pt.tmp", run.dir / "ckpt.pt")
 
 
@@ -1263,18 +1241,18 @@ def resume_from(learner: Learner, run: RunState, ckpt: dict) -> None:
     torch.set_rng_state(ckpt["rng"][1])
     learner.generator.set_state(ckpt["rng"][2])
     log = run.dir / "metrics.jsonl"  # rows logged after the checkpoint would come twice
-    rows = log.read_text().splitlines() if log.exists() else []
-    log.write_text("".join(row + "\n" for row in rows if json.loads(row)["step"] <= run.step))
+    lines = log.read_text().splitlines() if log.exists() else []
+    log.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= run.step))
 
 
 def finish_run(learner: Learner, run: RunState, args: Args) -> dict:
-    """final/: the fp32 actor (bf16 would round away RL's small updates), invariant scaling folded
-    back; summary.json (a seed replays a run only at the same torch thread count)."""
-    if run.scale != 1.0:
-        invariant_rescale(learner.actor, 1.0 / run.scale)
+    """final/: the fp32 actor (bf16 rounds away RL's small updates), invariant scaling folded
+    back; summary.json (a seed replays a run at the same torch thread count only)."""
+    if run.invariant_scale != 1.0:
+        invariant_rescale(learner.actor, 1.0 / run.invariant_scale)
     learner.actor.save_pretrained(run.dir / "final")
     learner.tokenizer.save_pretrained(run.dir / "final")
-    folded = {"invariant_scale_folded_back": run.scale, "dtype": "float32"}
+    folded = {"invariant_scale_folded_back": run.invariant_scale, "dtype": "float32"}
     (run.dir / "final" / "qurl.json").write_text(json.dumps(folded) + "\n")
     summary = {"start_eval_acc": run.first_eval, "final_eval_acc": run.last_eval,
                "wall_s": round(time.time() - run.t_start, 1), "steps": args.steps,
@@ -1291,7 +1269,7 @@ STOP: set = set()  # signals received
 @contextlib.contextmanager
 def stop_requests():
     """Here Ctrl-C and SIGTERM (a preemption) ask the loop to finish the step, checkpoint and
-    exit; a second signal aborts at once."""
+    exit; a second signal aborts."""
     STOP.clear()
     previous = {sig: signal.signal(sig, _request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -1324,10 +1302,10 @@ FUSED = weakref.WeakKeyDictionary()  # decoder layer -> (qkv_proj, gate_up_proj)
 
 
 @torch.no_grad()
-def compiled_sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64,
-                    temperature: float = 1.0, generator: torch.Generator | None = None) -> Rollout:
+def compiled_sample(model, tokenizer, prompts, n=1, max_new_tokens=64, temperature=1.0,
+                    generator=None) -> Rollout:
     """`sample`'s tokens (log-probs up to float sums) by compiled layers, ~10 kernels a layer, not
-    ~50 (on a GPU a CUDA graph a token); else by `sample`, said once."""
+    ~50, a CUDA graph a token on a GPU; else `sample`, said once."""
     input_ids, prompt_mask = encode(tokenizer, prompts, model.device, 64)  # few shapes
     decoders = DECODERS.setdefault(model, {})
     key = (len(prompts) * n, input_ids.shape[1], max_new_tokens, temperature)
@@ -1335,10 +1313,10 @@ def compiled_sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_to
         if None not in decoders.values():
             if key not in decoders:
                 decoders[key] = StaticDecoder(model, tokenizer, *key)
-            with torch._dynamo.config.patch(recompile_limit=64):  # 2 layer graphs a decoder
+            with torch._dynamo.config.patch(recompile_limit=64):  # 2 graphs a decoder
                 outputs = decoders[key].decode(model, input_ids, prompt_mask, n, generator)
             return _finish(tokenizer, input_ids, prompt_mask, n, *outputs)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # any: the eager decode is there
         decoders[key] = None
         reason = " ".join(str(e).split())  # one line
         warnings.warn(f"--compile: decoding eagerly ({type(e).__name__}: {reason:.100})")
@@ -1346,11 +1324,11 @@ def compiled_sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_to
 
 
 @torch.no_grad()
-def fuse(linears: list[nn.Module]) -> nn.Module:
+def fuse(linears):
     """One linear for several on one input (vLLM's QKVParallelLinear): one GEMM and activation
-    quantization, not one each. Codes and scales are per output row: stacked, they are the fused
-    ones; the separate tensors become views of its rows (`.data`), refreshed by a sync."""
-    fused = copy.deepcopy(linears[0])  # NF4's state holds its absmax tensor: it follows
+    quantization. Per-row codes and scales, stacked, are the fused ones; the parts become views
+    of its rows (`.data`), which a sync refreshes."""
+    fused = copy.deepcopy(linears[0])  # NF4's state holds its absmax: it follows
     for name, whole in [*fused.named_parameters(), *fused.named_buffers()]:
         parts = [getattr(linear, name) for linear in linears]
         sizes = [len(part) for part in parts]
@@ -1365,100 +1343,94 @@ def fuse(linears: list[nn.Module]) -> nn.Module:
 
 
 class StaticDecoder:
-    """B rows in a static KV cache of L = P + R columns. One compiled graph serves every decoder
-    layer, in the prefill and in each decode step; buffers only where a CUDA graph needs them."""
+    """B rows in a static KV cache of L = P + R columns, one compiled graph for every layer;
+    buffers where a CUDA graph needs an address."""
 
-    def __init__(self, model, tokenizer, batch, prompt_len, max_new_tokens, temperature):
-        device, attention = model.device, model.model.layers[0].self_attn
-        for layer in model.model.layers:  # once: the separate linears become views of these
+    def __init__(self, model, tokenizer, n_rows, prompt_len, max_new_tokens, temperature):
+        device = model.device
+        for layer in model.model.layers:  # fused once: their parts become views
+            attention, mlp = layer.self_attn, layer.mlp
             if layer not in FUSED:
-                FUSED[layer] = (fuse([layer.self_attn.q_proj, layer.self_attn.k_proj,
-                                      layer.self_attn.v_proj]),
-                                fuse([layer.mlp.gate_proj, layer.mlp.up_proj]))
+                FUSED[layer] = (fuse([attention.q_proj, attention.k_proj, attention.v_proj]),
+                                fuse([mlp.gate_proj, mlp.up_proj]))
         self.prompt_len, self.temperature = prompt_len, temperature
         self.pad = tokenizer.pad_token_id  # (a tokenizer's property breaks a graph)
         self.stop_ids = torch.tensor(stop_token_ids(model, tokenizer), device=device)
 
-        dtype = model.model.embed_tokens.weight.dtype  # K, V in the dtype attention reads
+        weight = model.model.embed_tokens.weight
+        dtype = weight.dtype  # K, V in the dtype attention reads
         if torch.is_autocast_enabled(device.type):
             dtype = torch.get_autocast_dtype(device.type)
         L, D = prompt_len + max_new_tokens, attention.head_dim
-        shape = (len(model.model.layers), batch, attention.k_proj.out_features // D, L, D)
+        shape = (len(model.model.layers), n_rows, attention.k_proj.out_features // D, L, D)
         self.k_cache, self.v_cache = (torch.zeros(shape, dtype=dtype, device=device) for _ in "kv")
-        angles = model.model.rotary_emb(model.model.embed_tokens.weight, torch.arange(L)[None])
-        self.rope = [table[0].to(device) for table in angles]  # (L, D) cos, sin by position
-        self.valid = torch.ones(batch, L, dtype=torch.bool, device=device)  # not left padding
-        self.noise = torch.ones(batch, model.config.vocab_size, device=device)  # for `_pick`
-        self.step = None  # `decode_one_token`, graphed at its first call
+        angles = model.model.rotary_emb(weight, torch.arange(L, device=device)[None])  # eager
+        self.rope = [table[0] for table in angles]  # (L, D) cos, sin (compiled ones round apart)
+        self.valid = torch.ones(n_rows, L, dtype=torch.bool, device=device)  # not left padding
+        self.noise = torch.ones(n_rows, len(weight), device=device)  # (B, V) for `_pick`
+        self.replay = None  # `decode_one_token` graphed (`graphed`) at its first call
 
         compiled = functools.partial(torch.compile, dynamic=False, fullgraph=True,  # or an error
                                      options={"emulate_precision_casts": True})  # eager rounding
         self.layer, self.embed, self.draw = map(compiled, (decoder_layer, self.embed, self.draw))
 
     def decode(self, model, input_ids, prompt_mask, n, generator):
-        """The (b, P) prompts decoded n times each: (B, R) tokens, their log-probs, (B,) each row's
-        first EOS index. A host sync every SYNC_EVERY tokens."""
-        B, L = self.valid.shape
-        tokens = torch.zeros(B, L - self.prompt_len, dtype=torch.long, device=input_ids.device)
-        logp = torch.zeros_like(tokens, dtype=torch.float)  # (B, R) each
+        """`sample`'s (B, R) tokens, log-probs, (B,) first EOS of (b, P) prompts n times each."""
+        tokens = torch.zeros_like(self.valid[:, self.prompt_len:], dtype=torch.long)  # (B, R)
+        logp = torch.zeros_like(tokens, dtype=torch.float)
+        end = torch.full_like(tokens[:, 0], tokens.shape[1])  # (B,): no EOS yet
+        done = torch.zeros_like(end, dtype=torch.bool)
         self.valid[:, :self.prompt_len] = prompt_mask.repeat_interleave(n, 0).bool()
-        position = prompt_mask.sum(-1).repeat_interleave(n, 0)  # (B,): the next token's RoPE
-        column = torch.full((1,), self.prompt_len, device=input_ids.device)  # its cache column
+        column = torch.full((1,), self.prompt_len, device=input_ids.device)  # the next token's
+
         for t in range(tokens.shape[1]):
-            if t and t % SYNC_EVERY == 0 and bool(done.all()):
+            if t % SYNC_EVERY == 0 and bool(done.all()):
                 return tokens[:, :t], logp[:, :t], end
             if self.temperature:
                 self.noise.exponential_(generator=generator)
             if t == 0:
-                token, logp[:, t], end, done = self.prefill(model, input_ids, prompt_mask, n)
+                token, logp[:, t], end, done = self.prefill(model, input_ids, n, end, done)
             else:
-                if self.step is None:
-                    self.step = graphed(self.decode_one_token, model, token, position, column,
-                                        end, done)
-                token, logp[:, t], end, done = self.step(model, token, position, column, end, done)
-                position, column = position + 1, column + 1
+                self.replay = self.replay or graphed(self.decode_one_token, model, token, column,
+                                                     end, done)
+                token, logp[:, t], end, done = self.replay(model, token, column, end, done)
+                column = column + 1
             tokens[:, t] = token
         return tokens, logp, end
 
-    def prefill(self, model, input_ids, prompt_mask, n):
-        """The (b, P) prompts through every layer, K, V into the first of each prompt's n cache
-        rows, then copied to the others; the last position draws the first tokens."""
+    def prefill(self, model, input_ids, n, end, done):
+        """The prompts' K, V into the first of their n rows, copied; the first tokens drawn."""
         columns = torch.arange(self.prompt_len, device=input_ids.device)  # (P,)
-        positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # (b, P), as in `_prefill`
-        x = self.forward(model, input_ids, positions, columns, slice(None, None, n))
-        for cache in (self.k_cache, self.v_cache):
-            groups = cache[:, :, :, :self.prompt_len].unflatten(1, (-1, n))  # (N, b, n, H_kv, P, D)
+        x = self.forward(model, input_ids, columns, slice(None, None, n))
+        for kv in (self.k_cache, self.v_cache):
+            groups = kv[..., :self.prompt_len, :].unflatten(1, (-1, n))  # (layers, b, n, ..)
             groups[:, :, 1:] = groups[:, :, :1]
-
-        end = torch.full((len(self.valid),), len(self.valid[0]) - len(columns), device=x.device)
-        done = torch.zeros_like(end, dtype=torch.bool)
         return self.draw(model, x.repeat_interleave(n, 0), columns[-1:], end, done)
 
-    def decode_one_token(self, model, token, position, column, end, done):
-        """(B,) last tokens at their RoPE `position` and (1,) cache `column`: the next tokens,
-        their log-probs, `end` and `done` (`_advance`)."""
-        x = self.forward(model, token[:, None], position[:, None], column)
+    def decode_one_token(self, model, token, column, end, done):
+        """(B,) last tokens at cache `column` (1,) to the next: `draw`'s outputs."""
+        x = self.forward(model, token[:, None], column)
         return self.draw(model, x, column, end, done)
 
-    def forward(self, model, ids, positions, columns, rows=slice(None)):
-        """(b, S) tokens at RoPE `positions` and cache `columns` through every decoder layer, K, V
-        into the cache's `rows`: the last position's (b, hidden) output."""
-        x, cos, sin, visible = self.embed(model, ids, positions, columns, rows)
+    def forward(self, model, ids, columns, rows=slice(None)):
+        """(b, S) tokens at cache `columns` through the layers (K, V into the cache's `rows`):
+        the last position's output."""
+        x, cos, sin, visible = self.embed(model, ids, columns, rows)
         for i, layer in enumerate(model.model.layers):
             x = self.layer(layer, *FUSED[layer], x, cos, sin, self.k_cache[i, rows],
                            self.v_cache[i, rows], columns, visible)
         return x[:, -1]
 
-    def embed(self, model, ids, positions, columns, rows):
+    def embed(self, model, ids, columns, rows):
         """(b, S, hidden) embeddings, (b, S, D) RoPE angles, (b, 1, S, L) visible cache columns."""
         keys = torch.arange(self.valid.shape[1], device=ids.device)  # (L,)
-        visible = self.valid[rows, None] | (keys == columns[:, None])  # a pad sees itself
-        visible = visible & (keys <= columns[:, None])  # causal
-        cos, sin = (table[positions] for table in self.rope)
+        earlier = self.valid[rows, None] & (keys < columns[:, None])  # (b, S, L) real tokens
+        visible = earlier | (keys == columns[:, None])  # and itself (a pad: itself alone)
+        cos, sin = (table[earlier.sum(-1)] for table in self.rope)  # position: tokens before
         return model.model.embed_tokens(ids), cos, sin, visible[:, None]
 
     def draw(self, model, x, column, end, done):
-        """The next tokens from the last layer's (B, hidden) output, by `_advance`."""
+        """The last layer's (B, hidden) output to the next tokens, log-probs, end, done."""
         logits = model.lm_head(model.model.norm(x))  # (B, V)
         t = column + 1 - self.prompt_len  # the index of the token drawn
         return _advance(logits, self.temperature, self.noise, done, end, t, self.stop_ids,
@@ -1466,9 +1438,9 @@ class StaticDecoder:
 
 
 def graphed(fn, model, *inputs):
-    """fn(model, *inputs) as a CUDA graph on a GPU: a call copies its arguments into `inputs`,
-    replays, returns the outputs (the next call overwrites them). First, on a CPU too, two warm-up
-    calls (compile, autotune) on these real inputs: fn must give the same result again."""
+    """fn as a CUDA graph on a GPU: a call copies its arguments into `inputs`, replays, returns
+    the outputs (the next call overwrites them). Two calls on these real inputs first (a CPU's
+    too) compile: fn must be safe to repeat."""
     stream = torch.cuda.Stream() if inputs[0].is_cuda else None
     if stream:
         stream.wait_stream(torch.cuda.current_stream())
@@ -1490,7 +1462,7 @@ def graphed(fn, model, *inputs):
     return replay
 
 
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def _rope(x, cos, sin):
     """Rotary position embedding of (B, H, S, D) heads (HF's convention)."""
     mid = x.shape[-1] // 2
     return x * cos[:, None] + torch.cat((-x[..., mid:], x[..., :mid]), -1) * sin[:, None]
@@ -1498,18 +1470,18 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def decoder_layer(layer, qkv_proj, gate_up_proj, x, cos, sin, k_cache, v_cache, columns, visible):
     """A Llama/Qwen layer over (B, S, hidden) tokens, K, V written at `columns` of its (B, H_kv,
-    L, D) cache. A K/V head's queries are rows of one attention (repeat_kv would copy the cache)."""
+    L, D) cache; a K/V head's queries are rows of one attention (repeat_kv copies the cache)."""
     attention, (B, S, _), (H_kv, D) = layer.self_attn, x.shape, k_cache.shape[1::2]
     qkv = qkv_proj(layer.input_layernorm(x)).view(B, S, -1, D).transpose(1, 2)
     q, k, v = qkv.split([qkv.shape[1] - 2 * H_kv, H_kv, H_kv], 1)  # (B, H or H_kv, S, D)
     if hasattr(attention, "q_norm"):  # Qwen3
         q, k = attention.q_norm(q), attention.k_norm(k)
-    k_cache = k_cache.index_copy_(2, columns, _rope(k, cos, sin).to(k_cache.dtype))
-    v_cache = v_cache.index_copy_(2, columns, v.to(v_cache.dtype))
+    k_cache.index_copy_(2, columns, _rope(k, cos, sin).to(k_cache.dtype))  # (B, H_kv, L, D)
+    v_cache.index_copy_(2, columns, v.to(v_cache.dtype))
 
-    groups = q.shape[1] // H_kv  # (B, H, S, D) -> (B, H_kv, groups S, D)
-    q = _rope(q, cos, sin).reshape(B, H_kv, groups * S, D)
-    out = F.scaled_dot_product_attention(q, k_cache, v_cache, visible.repeat(1, 1, groups, 1),
+    q_per_kv = q.shape[1] // H_kv  # (B, H, S, D) -> (B, H_kv, q_per_kv S, D)
+    q = _rope(q, cos, sin).reshape(B, H_kv, q_per_kv * S, D)
+    out = F.scaled_dot_product_attention(q, k_cache, v_cache, visible.repeat(1, 1, q_per_kv, 1),
                                          scale=attention.scaling)
     x = x + attention.o_proj(out.view(B, -1, S, D).transpose(1, 2).reshape(B, S, -1))
     gate, up = gate_up_proj(layer.post_attention_layernorm(x)).chunk(2, -1)  # (B, S, I) each
