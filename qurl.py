@@ -1304,8 +1304,8 @@ FUSED = weakref.WeakKeyDictionary()  # decoder layer -> (qkv_proj, gate_up_proj)
 @torch.no_grad()
 def compiled_sample(model, tokenizer, prompts, n=1, max_new_tokens=64, temperature=1.0,
                     generator=None) -> Rollout:
-    """`sample`'s tokens (log-probs up to float sums) by compiled layers, ~10 kernels a layer, not
-    ~50, a CUDA graph a token on a GPU; else `sample`, said once."""
+    """`sample` by compiled layers, ~10 kernels a layer, not ~50 (on a GPU a CUDA graph a token):
+    its tokens, log-probs up to float sums; else `sample`, said once."""
     input_ids, prompt_mask = encode(tokenizer, prompts, model.device, 64)  # few shapes
     decoders = DECODERS.setdefault(model, {})
     key = (len(prompts) * n, input_ids.shape[1], max_new_tokens, temperature)
@@ -1316,7 +1316,7 @@ def compiled_sample(model, tokenizer, prompts, n=1, max_new_tokens=64, temperatu
             with torch._dynamo.config.patch(recompile_limit=64):  # 2 graphs a decoder
                 outputs = decoders[key].decode(model, input_ids, prompt_mask, n, generator)
             return _finish(tokenizer, input_ids, prompt_mask, n, *outputs)
-    except Exception as e:  # any: the eager decode is there
+    except Exception as e:
         decoders[key] = None
         reason = " ".join(str(e).split())  # one line
         warnings.warn(f"--compile: decoding eagerly ({type(e).__name__}: {reason:.100})")
@@ -1325,9 +1325,9 @@ def compiled_sample(model, tokenizer, prompts, n=1, max_new_tokens=64, temperatu
 
 @torch.no_grad()
 def fuse(linears):
-    """One linear for several on one input (vLLM's QKVParallelLinear): one GEMM and activation
-    quantization. Per-row codes and scales, stacked, are the fused ones; the parts become views
-    of its rows (`.data`), which a sync refreshes."""
+    """One linear for several on one input (vLLM's QKVParallelLinear): one GEMM, one activation
+    quantization. Per-row codes and scales, stacked, are the fused ones: the parts become views of
+    its rows (`.data`), refreshed by a sync."""
     fused = copy.deepcopy(linears[0])  # NF4's state holds its absmax: it follows
     for name, whole in [*fused.named_parameters(), *fused.named_buffers()]:
         parts = [getattr(linear, name) for linear in linears]
@@ -1343,18 +1343,18 @@ def fuse(linears):
 
 
 class StaticDecoder:
-    """B rows in a static KV cache of L = P + R columns, one compiled graph for every layer;
-    buffers where a CUDA graph needs an address."""
+    """B rows in a static KV cache of L = P + R columns, one compiled graph for all layers;
+    buffers at fixed addresses for a CUDA graph."""
 
     def __init__(self, model, tokenizer, n_rows, prompt_len, max_new_tokens, temperature):
         device = model.device
-        for layer in model.model.layers:  # fused once: their parts become views
+        for layer in model.model.layers:  # fused once
             attention, mlp = layer.self_attn, layer.mlp
             if layer not in FUSED:
                 FUSED[layer] = (fuse([attention.q_proj, attention.k_proj, attention.v_proj]),
                                 fuse([mlp.gate_proj, mlp.up_proj]))
         self.prompt_len, self.temperature = prompt_len, temperature
-        self.pad = tokenizer.pad_token_id  # (a tokenizer's property breaks a graph)
+        self.pad = tokenizer.pad_token_id  # (a tokenizer's property breaks graphs)
         self.stop_ids = torch.tensor(stop_token_ids(model, tokenizer), device=device)
 
         weight = model.model.embed_tokens.weight
@@ -1368,17 +1368,17 @@ class StaticDecoder:
         self.rope = [table[0] for table in angles]  # (L, D) cos, sin (compiled ones round apart)
         self.valid = torch.ones(n_rows, L, dtype=torch.bool, device=device)  # not left padding
         self.noise = torch.ones(n_rows, len(weight), device=device)  # (B, V) for `_pick`
-        self.replay = None  # `decode_one_token` graphed (`graphed`) at its first call
+        self.replay = None  # `decode_one_token`, `graphed` at first use
 
         compiled = functools.partial(torch.compile, dynamic=False, fullgraph=True,  # or an error
                                      options={"emulate_precision_casts": True})  # eager rounding
         self.layer, self.embed, self.draw = map(compiled, (decoder_layer, self.embed, self.draw))
 
     def decode(self, model, input_ids, prompt_mask, n, generator):
-        """`sample`'s (B, R) tokens, log-probs, (B,) first EOS of (b, P) prompts n times each."""
+        """`sample`'s (B, R) tokens, log-probs, (B,) first EOS, of (b, P) prompts n times."""
         tokens = torch.zeros_like(self.valid[:, self.prompt_len:], dtype=torch.long)  # (B, R)
         logp = torch.zeros_like(tokens, dtype=torch.float)
-        end = torch.full_like(tokens[:, 0], tokens.shape[1])  # (B,): no EOS yet
+        end = torch.full_like(tokens[:, 0], tokens.shape[1])  # (B,) no EOS
         done = torch.zeros_like(end, dtype=torch.bool)
         self.valid[:, :self.prompt_len] = prompt_mask.repeat_interleave(n, 0).bool()
         column = torch.full((1,), self.prompt_len, device=input_ids.device)  # the next token's
@@ -1408,7 +1408,7 @@ class StaticDecoder:
         return self.draw(model, x.repeat_interleave(n, 0), columns[-1:], end, done)
 
     def decode_one_token(self, model, token, column, end, done):
-        """(B,) last tokens at cache `column` (1,) to the next: `draw`'s outputs."""
+        """(B,) tokens at cache `column` (1,) to the next ones (`draw`)."""
         x = self.forward(model, token[:, None], column)
         return self.draw(model, x, column, end, done)
 
@@ -1425,12 +1425,12 @@ class StaticDecoder:
         """(b, S, hidden) embeddings, (b, S, D) RoPE angles, (b, 1, S, L) visible cache columns."""
         keys = torch.arange(self.valid.shape[1], device=ids.device)  # (L,)
         earlier = self.valid[rows, None] & (keys < columns[:, None])  # (b, S, L) real tokens
-        visible = earlier | (keys == columns[:, None])  # and itself (a pad: itself alone)
+        visible = earlier | (keys == columns[:, None])  # and itself (a pad: itself only)
         cos, sin = (table[earlier.sum(-1)] for table in self.rope)  # position: tokens before
         return model.model.embed_tokens(ids), cos, sin, visible[:, None]
 
     def draw(self, model, x, column, end, done):
-        """The last layer's (B, hidden) output to the next tokens, log-probs, end, done."""
+        """The last layer's (B, hidden) output to the next tokens (`_advance`)."""
         logits = model.lm_head(model.model.norm(x))  # (B, V)
         t = column + 1 - self.prompt_len  # the index of the token drawn
         return _advance(logits, self.temperature, self.noise, done, end, t, self.stop_ids,
@@ -1439,8 +1439,8 @@ class StaticDecoder:
 
 def graphed(fn, model, *inputs):
     """fn as a CUDA graph on a GPU: a call copies its arguments into `inputs`, replays, returns
-    the outputs (the next call overwrites them). Two calls on these real inputs first (a CPU's
-    too) compile: fn must be safe to repeat."""
+    the outputs (the next call overwrites them). Two calls on these real inputs first (on a CPU
+    too) compile it: fn must be idempotent."""
     stream = torch.cuda.Stream() if inputs[0].is_cuda else None
     if stream:
         stream.wait_stream(torch.cuda.current_stream())
