@@ -18,7 +18,7 @@ Where each equation lives:
     QuantLinear          the sampler's FP8 / INT8 / NF4 linear (fp8_matmul: its FP8 kernel)
     sync_weights         the weight sync; its flip rate (QuRL's weight-update problem)
     invariant_rescale    W x = (W / s)(s x) (QuRL Eq. 11-12)
-    aligned_linear       QaRL's rollout-aligned forward
+    aligned_linear       QaRL's rollout-aligned forward (decoded_value: its value, departure 6)
     train_step, update   one RL step: rollout, pi_prox, PPO epochs
 
 Where qurl departs from the papers, and why:
@@ -26,10 +26,14 @@ Where qurl departs from the papers, and why:
        capped at --is-cap, and out-of-band sequences dropped from the loss and its denominator.
     2. One update per rollout is the default (the tiny model learns best so): pi_theta = pi_prox
        at the update, so the PPO clip, ACR and TBPO's band never bind (--mini-batches 4 shows them).
-    3. The sampler keeps its unquantized parts (lm_head aside) in fp32 under the actor's autocast,
-       so that the aligned forward reproduces it bit for bit; an engine holds them in bf16.
+    3. The sampler keeps its unquantized parts (lm_head aside) in fp32 under the actor's autocast:
+       its mismatch is its quantizer's; an engine holds them in bf16.
     4. Groups whose rewards are all equal leave the update; the learning rate decays (cosine).
     5. Evaluation is greedy, of the actor (the model trained and saved).
+    6. --align-forward takes the value of log pi_theta from the sampler's own decode (logp_behav;
+       after an optimizer step the re-synced sampler's, teacher-forced) and only the gradient from
+       QaRL's straight-through forward: no full forward computes a W8A8 decode's numbers (code
+       crossings avalanche through the layers), so here pi_prox = pi_behav bit for bit.
 Run: python qurl.py --quant fp8 (README.md: a real Qwen on one GPU). Tests: python -m pytest -q
 """
 from __future__ import annotations
@@ -341,14 +345,16 @@ def quantized_copy(actor: nn.Module, fmt: str) -> nn.Module:
     return copy.deepcopy(actor, memo).eval().requires_grad_(False)
 
 
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --quant's half-precision copies
+
+
 def make_sampler(actor: nn.Module, quant: str, dtype: torch.dtype) -> nn.Module:
     """none: the actor (no mismatch); bf16, fp16: a copy in that dtype (RoPE's buffers fp32);
     int8, fp8, nf4: `quantized_copy`, its lm_head in `dtype`, the rest fp32 under autocast."""
     if quant == "none":
         return actor
-    if quant in ("bf16", "fp16"):
-        copy_dtype = torch.bfloat16 if quant == "bf16" else torch.float16
-        memo = {id(param): nn.Parameter(param.detach().to(copy_dtype), requires_grad=False)
+    if quant in HALF:
+        memo = {id(param): nn.Parameter(param.detach().to(HALF[quant]), requires_grad=False)
                 for param in actor.parameters()}
         return copy.deepcopy(actor, memo).eval()
 
@@ -407,18 +413,15 @@ def fake_quant(x: Tensor, fmt: str) -> Tensor:
 
 
 def aligned_linear(linear: nn.Linear, fmt: str, x: Tensor) -> Tensor:
-    """QaRL's rollout-aligned linear: the value of the sampler's own layer on the current
-    weights' codes (pi_prox = pi_behav in any dtype), the straight-through path's gradient."""
-    with torch.no_grad():
-        value = QuantLinear(linear, fmt)(x)
+    """QaRL's rollout-aligned linear: the sampler's fake-quantized weights and (W8A8) activations,
+    their gradient straight through the quantizers (its value: see `backward_mini_batch`)."""
     x_q = x if fmt == "nf4" else fake_quant(x, fmt)  # W4A16 leaves activations alone
-    ste = F.linear(x_q, fake_quant(linear.weight, fmt), linear.bias)
-    return value + (ste - ste.detach())  # the sampler's value, ste's gradient
+    return F.linear(x_q, fake_quant(linear.weight, fmt), linear.bias)
 
 
 @contextlib.contextmanager
 def rollout_aligned(model: nn.Module, fmt: str | None):
-    """In this block the decoder linears compute as the sampler's (fmt None: as they are)."""
+    """In this block the decoder linears are `aligned_linear`s (fmt None: as they are)."""
     linears = []
     if fmt:
         linears = [module for _, module in decoder_linears(model)]
@@ -446,23 +449,26 @@ class Rollout:
     truncated: Tensor  # (B,): no EOS
 
 
-def _pick(logits: Tensor, temperature: float, noise: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The next token and its log-prob under p = softmax(logits / T), no top-k or top-p (the
-    ratio would have to reproduce them): argmax(p / E), E ~ Exponential(1) `noise`, is
-    torch.multinomial's own algorithm, without its host sync."""
+def _pick(logits: Tensor, temperature: float, noise: Tensor | None,
+          token: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The next token (unless given) and its log-prob under p = softmax(logits / T), no top-k or
+    top-p (the ratio would have to reproduce them): argmax(p / E), E ~ Exponential(1) `noise`,
+    is torch.multinomial's own algorithm, without its host sync."""
     if temperature == 0:  # greedy; the log-prob is reported at T = 1
         log_probs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
-        token = log_probs.argmax(dim=-1)
+        if token is None:
+            token = log_probs.argmax(dim=-1)
         return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
-    token = probs.div(noise).argmax(dim=-1)
+    if token is None:
+        token = probs.div(noise).argmax(dim=-1)
     return token, probs.gather(-1, token[:, None]).log().squeeze(-1)
 
 
-def _advance(logits, temperature, noise, done, end, t, stop_ids, pad):
+def _advance(logits, temperature, noise, done, end, t, stop_ids, pad, token=None):
     """Token t's bookkeeping (both decodes'): the next tokens (padding after a row's end), their
     log-probs; a row's first stop token sets its `end` to t, marks it done."""
-    token, logp_behav = _pick(logits, temperature, noise)
+    token, logp_behav = _pick(logits, temperature, noise, token)
     token = torch.where(done, pad, token)
     finished = torch.isin(token, stop_ids) & ~done
     return token, logp_behav, torch.where(finished, t, end), done | finished
@@ -506,12 +512,19 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 @torch.no_grad()
 def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64,
            temperature: float = 1.0, generator: torch.Generator | None = None) -> Rollout:
-    """n samples of each prompt, a token at a time, with a KV cache. Each prompt is prefilled
-    once; finished rows leave when a quarter of the rows are done. RoPE positions come from the
-    attention mask: left padding does not shift them."""
-    device = next(model.parameters()).device
-    input_ids, prompt_mask = encode(tokenizer, prompts, device)  # (b, P)
-    B, pad = len(prompts) * n, tokenizer.pad_token_id
+    """n samples of each prompt, a token at a time, with a KV cache (`decode`)."""
+    input_ids, prompt_mask = encode(tokenizer, prompts, next(model.parameters()).device)
+    return decode(model, tokenizer, input_ids, prompt_mask, n, max_new_tokens, temperature,
+                  generator)
+
+
+@torch.no_grad()
+def decode(model, tokenizer, input_ids: Tensor, prompt_mask: Tensor, n: int, max_new_tokens: int,
+           temperature: float, generator=None, forced: Tensor | None = None) -> Rollout:
+    """The (b, P) prompts decoded n times each. Each prompt is prefilled once; finished rows leave
+    when a quarter are done; RoPE positions come from the mask, so left padding does not shift
+    them. `forced` (B, R) tokens are fed instead of drawn: teacher forcing through this decode."""
+    device, B, pad = input_ids.device, len(input_ids) * n, tokenizer.pad_token_id
     logits, cache, cache_kwarg, stop_ids = _prefill(model, tokenizer, input_ids, prompt_mask)
     cache.batch_repeat_interleave(n)  # rows i n .. i n + n - 1 are prompt i's samples
     logits = logits.repeat_interleave(n, 0)  # (B, V)
@@ -523,10 +536,14 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
     end = torch.full((B,), max_new_tokens, device=device)  # the first EOS's index
     out_rows = torch.arange(B, device=device)  # batch row -> output row
     done = torch.zeros(B, dtype=torch.bool, device=device)
+    noise = fed = None  # fed: the forced tokens of step t
     for t in range(max_new_tokens):
-        noise = torch.empty_like(logits, dtype=torch.float).exponential_(generator=generator)
+        if forced is None:
+            noise = torch.empty_like(logits, dtype=torch.float).exponential_(generator=generator)
+        else:
+            fed = forced[out_rows, t]
         token, logp_behav[out_rows, t], end[out_rows], done = _advance(
-            logits, temperature, noise, done, end[out_rows], t, stop_ids, pad)  # (b,) each
+            logits, temperature, noise, done, end[out_rows], t, stop_ids, pad, fed)  # (b,) each
         tokens[out_rows, t] = token
         if t == max_new_tokens - 1:
             break
@@ -715,6 +732,7 @@ class Learner:
     tokenizer: object
     generator: torch.Generator  # the sampler's random numbers
     dtype: torch.dtype  # the compute dtype
+    resynced: nn.Module | None = None  # `decoded_value`'s sampler, made at its first use
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -724,7 +742,7 @@ def autocast(device: torch.device, dtype: torch.dtype):
 
 def rollout_autocast(quant: str, device: torch.device, dtype: torch.dtype):
     """A bf16 or fp16 copy decodes in its own dtype, autocast off; other samplers as the actor."""
-    if quant in ("bf16", "fp16"):
+    if quant in HALF:
         return torch.autocast(device.type, enabled=False)
     return autocast(device, dtype)
 
@@ -763,10 +781,14 @@ def train_step(learner: Learner, args: Args, problems: list[dict], step: int) ->
              "response_mask": rollout.response_mask, "logp_behav": rollout.logp_behav,
              "adv": adv.to(device)}
 
-    align = args.quant if args.align_forward else None  # 4. pi_prox and the update
-    with autocast(device, learner.dtype), rollout_aligned(learner.actor, align):
-        logp_prox = torch.zeros_like(rollout.logp_behav)  # (B, R)
-        if not has_signal.all():  # rows without signal: pi_prox for mismatch/* alone
+    dtype, fmt = learner.dtype, None  # 4. pi_prox and the update
+    if args.align_forward and args.quant in HALF:  # the gradient in the sampler's precision
+        dtype = HALF[args.quant]
+    elif args.align_forward:
+        fmt = args.quant
+    with autocast(device, dtype), rollout_aligned(learner.actor, fmt):
+        logp_prox = rollout.logp_behav.clone()  # (B, R); aligned: pi_prox = pi_behav
+        if not (has_signal.all() or args.align_forward):  # pi_prox for mismatch/* alone
             with torch.no_grad():
                 no_signal = select(batch, ~has_signal)
                 logp_prox[~has_signal] = batch_logprobs(learner.actor, no_signal, args)
@@ -788,10 +810,10 @@ def train_step(learner: Learner, args: Args, problems: list[dict], step: int) ->
 def update(learner: Learner, args: Args, batch: dict) -> tuple[dict, Tensor]:
     """--ppo-epochs passes, --mini-batches optimizer steps each. Returns the mean metrics and
     pi_prox (B, R), the actor's before its first optimizer step: the first mini-batch's forward
-    detached, a no-grad forward for the rest."""
+    detached, a no-grad forward for the rest (aligned: pi_behav, no forward)."""
     mini_batches = _batches(len(batch["input_ids"]), args.mini_batches)  # slices of rows
-    logp_prox = torch.zeros_like(batch["logp_behav"])  # (B, R)
-    if len(mini_batches) > 1:
+    logp_prox = batch["logp_behav"].clone()  # (B, R)
+    if len(mini_batches) > 1 and not args.align_forward:
         later = slice(mini_batches[0].stop, None)
         with torch.no_grad():
             logp_prox[later] = batch_logprobs(learner.actor, select(batch, later), args)
@@ -799,11 +821,14 @@ def update(learner: Learner, args: Args, batch: dict) -> tuple[dict, Tensor]:
     logs, skipped = [], 0
     for epoch in range(args.ppo_epochs):
         for rows in mini_batches:
-            first = epoch == 0 and rows == mini_batches[0]  # pi_theta is pi_prox till a step
-            prox = None if first else logp_prox[rows]
+            mini, first = select(batch, rows), epoch == 0 and rows == mini_batches[0]
+            prox = None if first and not args.align_forward else logp_prox[rows]  # None: its own
+            value = None  # QaRL's aligned value: the sampler's, as it sampled, then re-synced
+            if args.align_forward:
+                value = mini["logp_behav"] if first else decoded_value(learner, args, mini)
             learner.optimizer.zero_grad(set_to_none=True)
-            metrics, finite, logp = backward_mini_batch(learner, args, select(batch, rows), prox)
-            if first:
+            metrics, finite, logp = backward_mini_batch(learner, args, mini, prox, value)
+            if prox is None:
                 logp_prox[rows] = logp
 
             grad_norm = torch.nn.utils.clip_grad_norm_(learner.actor.parameters(), MAX_GRAD_NORM)
@@ -822,17 +847,35 @@ def update(learner: Learner, args: Args, batch: dict) -> tuple[dict, Tensor]:
     return averaged, logp_prox
 
 
+@torch.no_grad()
+def decoded_value(learner: Learner, args: Args, mini: dict) -> Tensor:
+    """The aligned value after an optimizer step: the sampler re-synced to the actor decodes the
+    sampled tokens, teacher-forced (`decode`): (b, R) log-probs. A second sampler does it, so the
+    rollout's keeps its codes and the next sync's flip rate counts from them."""
+    if learner.resynced is None:
+        learner.resynced = make_sampler(learner.actor, args.quant, learner.dtype)
+    sync_weights(learner.resynced, learner.actor)
+    R = mini["response_mask"].shape[1]
+    P = mini["input_ids"].shape[1] - R
+    with rollout_autocast(args.quant, learner.generator.device, learner.dtype):
+        rollout = decode(learner.resynced, learner.tokenizer, mini["input_ids"][:, :P],
+                         mini["attention_mask"][:, :P], 1, R, args.temperature,
+                         forced=mini["input_ids"][:, P:])
+    return F.pad(rollout.logp_behav, (0, R - rollout.logp_behav.shape[1]))  # rows end early
+
+
 def _batches(n_rows: int, n_parts: int) -> list[slice]:
     """n_parts contiguous slices, their sizes differing by at most one."""
     bounds = [round(i * n_rows / n_parts) for i in range(n_parts + 1)]
     return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def backward_mini_batch(learner: Learner, args: Args, mini: dict,
-                        logp_prox: Tensor | None) -> tuple[dict, bool, Tensor]:
+def backward_mini_batch(learner: Learner, args: Args, mini: dict, logp_prox: Tensor | None,
+                        value: Tensor | None = None) -> tuple[dict, bool, Tensor]:
     """A mini-batch's gradient over micro-batches, each loss divided by the mini-batch's
     denominator: the one-pass gradient at a micro-batch's memory. logp_prox None: the forward's
-    own. Returns (metrics, all finite, the (b, R) logp detached)."""
+    own; `value`: logp's value (the forward gives its gradient). Returns (metrics, all finite,
+    the (b, R) logp detached)."""
     mask = mini["response_mask"]  # (b, R)
     micro_batches = [slice(i, i + args.micro_batch) for i in range(0, len(mask), args.micro_batch)]
     loss_fn = functools.partial(token_loss, kind=args.loss, eps_low=args.eps_low,
@@ -844,7 +887,8 @@ def backward_mini_batch(learner: Learner, args: Args, mini: dict,
             bands = []
             for rows in micro_batches:
                 with torch.no_grad():
-                    logp = batch_logprobs(learner.actor, select(mini, rows), args)
+                    logp = value[rows] if value is not None else batch_logprobs(
+                        learner.actor, select(mini, rows), args)
                 adv = mini["adv"][rows]
                 bands.append(tbpo_ratio(logp, logp_prox[rows], adv, mask[rows], args.tbpo_band)[1])
             in_band = torch.cat(bands)
@@ -855,6 +899,8 @@ def backward_mini_batch(learner: Learner, args: Args, mini: dict,
     for rows in micro_batches:
         micro = select(mini, rows)
         logp = batch_logprobs(learner.actor, micro, args)  # (m, R), with grad
+        if value is not None:  # aligned: the sampler's value, the straight-through gradient
+            logp = value[rows] + (logp - logp.detach())
         prox = logp.detach()
         if logp_prox is not None:
             prox = logp_prox[rows]
@@ -957,8 +1003,8 @@ def validate_args(args: Args) -> str | None:
         (min(args.tbpo_band) >= 0, "--tbpo-band widths must be >= 0"),
         (args.invariant_scale is None or args.invariant_scale > 0,
          "--invariant-scale must be > 0 (1 turns it off)"),
-        (args.quant in ("int8", "fp8", "nf4") or not args.align_forward,
-         "--align-forward needs --quant int8, fp8 or nf4 (a quantizer to train through)"),
+        (args.quant != "none" or not args.align_forward,
+         "--align-forward needs a sampler apart from the actor (--quant other than none)"),
         (args.dtype in ("auto", "float32", "bfloat16"),
          f"--dtype {args.dtype} is not supported: use bfloat16 (fp16 needs loss scaling)"),
     ]

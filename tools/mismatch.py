@@ -17,7 +17,11 @@ second quantizer):
     fp8              W8A8, the sampler qurl trains with; int8 and nf4 likewise
     stale            the actor one RL step behind (one train_step, random rewards, between
                      sampling and pi_prox): what an asynchronous trainer accepts by design
-    fp8_aligned      the FP8 sampler against QaRL's rollout-aligned forward
+    fp8_aligned      the FP8 sampler against qurl's aligned value (--align-forward): its own
+                     decode, teacher-forced over the tokens it drew (`decode(..., forced=...)`),
+                     what the value is after an optimizer step; int8, nf4, bf16 likewise
+    fp8_aligned_forward  against QaRL's aligned value: a full forward through the sampler's own
+                     quantized layers (qurl's before #38); int8, nf4, bf16 likewise
 
 Columns, per sampled token (response tokens only), w = pi_prox / pi_behav:
     kl            k3 estimate of KL(pi_behav || pi_prox), as mismatch/kl (kl_se: its standard error)
@@ -27,11 +31,14 @@ Columns, per sampled token (response tokens only), w = pi_prox / pi_behav:
     w_truncated   share of tokens whose TIS weight w is cut at C = 2
     ess           (sum w)^2 / (n sum w^2): the share of the batch the untruncated weights leave
 --layers adds each source's relative error of every decoder layer's hidden state against the
-actor's on the same tokens, both teacher-forced: where its drift enters (the decode's own drift,
-the floor's and fp8_aligned's, does not show there).
+actor's on the same tokens, both teacher-forced: where its drift enters; and, for the sampler's
+decode against its own full forward on the same tokens, the share of each decoder layer's input
+that differs: its activation codes for W8A8 (fp8, int8), its values bit for bit otherwise. There
+the avalanche shows: where the first code crosses and how the crossings grow.
 """
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -48,7 +55,9 @@ import qurl  # noqa: E402
 from bench import random_rewards  # noqa: E402
 
 SOURCES = ["floor", "fp16", "bf16", "lm_head_bf16", "fp8_weights", "fp8_activations", "fp8",
-           "int8", "nf4", "stale", "fp8_aligned"]
+           "int8", "nf4", "stale", "fp8_aligned", "int8_aligned", "nf4_aligned", "bf16_aligned",
+           "fp8_aligned_forward", "int8_aligned_forward", "nf4_aligned_forward",
+           "bf16_aligned_forward"]
 IS_CAP = 2.0  # C, the TIS cap whose truncation w_truncated counts
 
 
@@ -56,7 +65,7 @@ def build_sampler(actor: nn.Module, source: str) -> nn.Module:
     """The sampler with only `source` switched on (the actor is left as it is)."""
     if source in ("floor", "stale"):
         return actor
-    if source in ("fp16", "bf16", "fp8", "int8", "nf4", "fp8_aligned"):
+    if source.split("_")[0] in ("fp16", "bf16", "fp8", "int8", "nf4") and source != "fp8_weights":
         return qurl.make_sampler(actor, source.split("_")[0], torch.float32)
     sampler = copy.deepcopy(actor).eval().requires_grad_(False)
     if source == "lm_head_bf16":  # its own weight: a tied embedding stays exact
@@ -88,32 +97,81 @@ def take_stale_step(actor: nn.Module, tokenizer, problems: list[dict], opts) -> 
     return trained.eval()
 
 
-def sample_recording(sampler, tokenizer, prompts, n, max_new_tokens, generator):
-    """qurl.sample, keeping the sampler's whole (B, R, V) log-distribution at every sampled
-    position: each decode step's logits pass through qurl._pick, recorded here. sample drops
-    finished rows from its batch (in order), so a step's batch is the rows whose first EOS came
-    after the last drop: the rows with end > d for the d that matches the batch's size."""
+def sample_recording(sampler, tokenizer, prompts, n, max_new_tokens, generator, forced=None):
+    """qurl's decode (`forced`: teacher-forced on those tokens), keeping the sampler's whole (B,
+    R, V) log-distribution at every sampled position: each decode step's logits pass through
+    qurl._pick, recorded here. Returns the rollout, those distributions, and the rows of each
+    decode step (the decode drops finished rows from its batch)."""
     steps, real_pick = [], qurl._pick
 
-    def pick(logits, temperature, noise):
+    def pick(logits, temperature, noise, token=None):
         steps.append(torch.log_softmax(logits.double() / temperature, dim=-1))
-        return real_pick(logits, temperature, noise)
+        return real_pick(logits, temperature, noise, token)
     qurl._pick = pick
     try:
-        rollout = qurl.sample(sampler, tokenizer, prompts, n, max_new_tokens, 1.0, generator)
+        input_ids, prompt_mask = qurl.encode(tokenizer, prompts, "cpu")
+        rollout = qurl.decode(sampler, tokenizer, input_ids, prompt_mask, n, max_new_tokens, 1.0,
+                              generator, forced)
     finally:
         qurl._pick = real_pick
     mask = rollout.response_mask
     R = mask.shape[1]
-    end = torch.where(rollout.truncated, R, mask.sum(1).long() - 1)
+    rows = step_rows(rollout, [len(logp) for logp in steps])
     full = torch.zeros(*mask.shape, steps[0].shape[-1], dtype=torch.float64)
     for t, logp in enumerate(steps):
-        d = next(d for d in range(-1, R + 1) if int((end > d).sum()) == len(logp))
-        full[(end > d).nonzero().squeeze(1), t] = logp
+        full[rows[t], t] = logp
     drawn = full.gather(-1, rollout.input_ids[:, -R:, None]).squeeze(-1) * mask
     if not torch.allclose(drawn.float(), rollout.logp_behav, atol=1e-4):  # fp32 softmax sums
         raise RuntimeError("mismatch: the recorded decode steps do not match sample's rows")
-    return rollout, full
+    return rollout, full, rows
+
+
+def step_rows(rollout, sizes: list[int]) -> list[torch.Tensor]:
+    """The rollout's rows in each decode step of these batch sizes: qurl's decode drops finished
+    rows in order, so a step's batch is the rows whose first EOS came after the last drop (the rows
+    with end > d, for the d that gives its size)."""
+    R = rollout.response_mask.shape[1]
+    end = torch.where(rollout.truncated, R, rollout.response_mask.sum(1).long() - 1)
+    return [(end > next(d for d in range(-1, R + 1) if int((end > d).sum()) == size))
+            .nonzero().squeeze(1) for size in sizes]
+
+
+@contextlib.contextmanager
+def layer_inputs(model):
+    """In this block each decoder layer's first linear (q_proj) records its input: a list per
+    layer, one (rows, tokens, hidden) tensor per call."""
+    seen = [[] for _ in model.model.layers]
+    hooks = [layer.self_attn.q_proj.register_forward_pre_hook(
+        lambda module, args, i=i: seen[i].append(args[0].detach().clone()))
+        for i, layer in enumerate(model.model.layers)]
+    try:
+        yield seen
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def crossings(sampler, rollout, decoded, rows) -> list[float]:
+    """Per decoder layer, the share of its input that differs between the sampler's decode
+    (`decoded`: `layer_inputs` of it, the prefill first) and its own full forward on the same
+    tokens: activation codes for W8A8, values bit for bit otherwise."""
+    with torch.no_grad(), layer_inputs(sampler) as full:
+        teacher_forced(sampler, rollout, False)
+    linear = sampler.model.layers[0].self_attn.q_proj
+    fmt = getattr(linear, "fmt", None) if getattr(linear, "fmt", None) != "nf4" else None
+    mask, P = rollout.response_mask.bool(), rollout.prompt_len
+    shares = []
+    for steps, whole in zip(decoded, full):
+        differ = total = 0
+        for t, x in enumerate(steps[1:], 1):  # step t feeds response token t - 1
+            keep = mask[rows[t], t - 1]
+            a, b = x[keep, 0], whole[0][rows[t][keep], P + t - 1]
+            if fmt:  # the codes the sampler's GEMM multiplies
+                a, b = (qurl.quantize(v / qurl.int8_shift(v) if fmt == "int8" else v, fmt)[0]
+                        .view(torch.uint8) for v in (a, b))
+            differ, total = differ + int((a != b).sum()), total + a.numel()
+        shares.append(differ / max(total, 1))
+    return shares
 
 
 def teacher_forced(model, rollout, hidden: bool):
@@ -129,15 +187,11 @@ def teacher_forced(model, rollout, hidden: bool):
     return logp, [h[:, -R - 1:-1].float() for h in out.hidden_states[1:]]
 
 
-def measure(sampler, prox_model, rollout, behav_full, aligned: bool, layers: bool) -> dict:
-    """The row's numbers: pi_behav from the sampler's decode, pi_prox from `prox_model` teacher-
-    forced (through the sampler's quantizer for fp8_aligned)."""
+def measure(sampler, prox_model, rollout, behav_full, prox_full, logp_prox, layers) -> dict:
+    """The row's numbers: pi_behav from the sampler's decode, pi_prox (`prox_full`, `logp_prox`);
+    with `layers`, each decoder layer's hidden-state error of the sampler against `prox_model`
+    (both teacher-forced)."""
     mask = rollout.response_mask
-    fmt = "fp8" if aligned else None
-    with torch.no_grad(), qurl.rollout_aligned(prox_model, fmt):
-        prox_full, prox_hidden = teacher_forced(prox_model, rollout, layers)
-        logp_prox = qurl.token_logprobs(prox_model, rollout.input_ids, rollout.attention_mask,
-                                        mask)
     metrics = qurl.mismatch_metrics(logp_prox, rollout.logp_behav, mask)
     log_w = (logp_prox - rollout.logp_behav)[mask.bool()].double()
     w, k3 = log_w.exp(), qurl.k3(log_w)
@@ -151,10 +205,33 @@ def measure(sampler, prox_model, rollout, behav_full, aligned: bool, layers: boo
     if layers:  # ||h_sampler - h_actor|| / ||h_actor|| over the response positions
         with torch.no_grad():
             behav_hidden = teacher_forced(sampler, rollout, True)[1]
+            prox_hidden = teacher_forced(prox_model, rollout, True)[1]
         keep = mask.bool()
         row["layers"] = [float((b[keep] - p[keep]).norm() / p[keep].norm())
                          for b, p in zip(behav_hidden, prox_hidden)]
     return row
+
+
+def prox_of(source, actor, sampler, rollout, tokenizer, prompts, problems, opts):
+    """pi_prox for a source: (its model for --layers, (B, R, V) log-distributions, (B, R)
+    log-probs of the sampled tokens). The actor teacher-forced; the stale actor; the sampler's
+    full forward (*_aligned_forward); its decode teacher-forced on its tokens (*_aligned)."""
+    prox_model = actor
+    if source == "stale":
+        prox_model = take_stale_step(actor, tokenizer, problems, opts)
+    if source.endswith("_aligned"):
+        forced = rollout.input_ids[:, rollout.prompt_len:]
+        with qurl.rollout_autocast(source.split("_")[0], torch.device("cpu"), torch.float32):
+            again, prox_full, _ = sample_recording(sampler, tokenizer, prompts, opts.group_size,
+                                                   opts.max_new_tokens, None, forced)
+        return sampler, prox_full, again.logp_behav
+    if source.endswith("_aligned_forward"):
+        prox_model = sampler
+    with torch.no_grad():
+        prox_full = teacher_forced(prox_model, rollout, False)[0]
+        logp_prox = qurl.token_logprobs(prox_model, rollout.input_ids, rollout.attention_mask,
+                                        rollout.response_mask)
+    return prox_model, prox_full, logp_prox
 
 
 def run_lab(opts) -> list[dict]:
@@ -167,28 +244,33 @@ def run_lab(opts) -> list[dict]:
     prompts = [qurl.format_prompt(p["question"], tokenizer) for p in problems]
     print(f"{Path(opts.model).name}: {len(prompts)} prompts x {opts.group_size} samples x "
           f"{opts.max_new_tokens} new tokens, seed {opts.seed}, pi_prox the fp32 actor")
-    print(f"{'source':<16}{'kl':>9}{'kl_exact':>10}{'|dlogp|':>9}{'ratio_max':>10}"
+    print(f"{'source':<21}{'kl':>9}{'kl_exact':>10}{'|dlogp|':>9}{'ratio_max':>10}"
           f"{'w>C':>8}{'ess':>8}{'s':>6}")
     rows = []
     for source in opts.sources:
         start = time.time()
         sampler = build_sampler(actor, source)
         generator = torch.Generator().manual_seed(opts.seed)
-        with qurl.rollout_autocast(source, torch.device("cpu"), torch.float32):
-            rollout, behav_full = sample_recording(sampler, tokenizer, prompts, opts.group_size,
-                                                   opts.max_new_tokens, generator)
-        prox_model = actor
-        if source == "stale":
-            prox_model = take_stale_step(actor, tokenizer, problems, opts)
-        aligned = source == "fp8_aligned"
-        row = {"model": Path(opts.model).name, "source": source,
-               **measure(sampler, prox_model, rollout, behav_full, aligned, opts.layers)}
+        recording = layer_inputs(sampler) if opts.layers else contextlib.nullcontext()
+        with qurl.rollout_autocast(source.split("_")[0], torch.device("cpu"), torch.float32):
+            with recording as decoded:
+                rollout, behav_full, step_of = sample_recording(
+                    sampler, tokenizer, prompts, opts.group_size, opts.max_new_tokens, generator)
+            prox_model, prox_full, logp_prox = prox_of(source, actor, sampler, rollout,
+                                                       tokenizer, prompts, problems, opts)
+            row = {"model": Path(opts.model).name, "source": source,
+                   **measure(sampler, prox_model, rollout, behav_full, prox_full, logp_prox,
+                             opts.layers)}
+            if opts.layers:  # the decode against the sampler's own full forward
+                row["crossings"] = crossings(sampler, rollout, decoded, step_of)
         row["seconds"] = round(time.time() - start, 1)
-        print(f"{source:<16}{row['kl']:>9.1e}{row['kl_exact']:>10.1e}{row['logp_absdiff']:>9.1e}"
+        print(f"{source:<21}{row['kl']:>9.1e}{row['kl_exact']:>10.1e}{row['logp_absdiff']:>9.1e}"
               f"{row['ratio_max']:>10.3g}{row['w_truncated']:>8.2%}{row['ess']:>8.4f}"
               f"{row['seconds']:>6.0f}", flush=True)
         if opts.layers:  # where the drift enters: each decoder layer's relative error
-            print(f"{'':<16}layers " + " ".join(f"{e:.0e}" for e in row["layers"]), flush=True)
+            print(f"{'':<21}layers    " + " ".join(f"{e:.0e}" for e in row["layers"]))
+            print(f"{'':<21}crossings " + " ".join(f"{e:.0e}" for e in row["crossings"]),
+                  flush=True)
         rows.append(row)
     return rows
 
