@@ -133,8 +133,8 @@ def format_prompt(question: str, tokenizer) -> str:
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer: '#### 42' (the prompt asks for it; GSM8K's golds), else '\\boxed{42}'
-    (Qwen's instruct models box answers whatever they are told), else the last number."""
+    """The final answer: '#### 42' (as asked; GSM8K's golds), else '\\boxed{42}' (Qwen's instruct
+    models box answers whatever they are told), else the last number."""
     if "####" in text:
         tail = text.rsplit("####", 1)[1].strip().split("\n")[0]
         return _normalize(tail) if tail else None
@@ -203,7 +203,7 @@ def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def quantize(weight: Tensor, fmt: str) -> tuple[Tensor, Tensor, object]:
     """Weights in the sampler's format: (codes, fp32 scales per row or NF4 block, NF4's state).
-    NF4 (QLoRA's) maps blocks of 64 weights, over their absmax, to 16 normal quantiles."""
+    NF4 (QLoRA's): 64 weights over their absmax to the nearest of 16 normal quantiles."""
     if fmt == "fp8":
         codes, scale = quantize_fp8(weight)
         return codes, scale, None
@@ -263,8 +263,8 @@ def int8_shift(x2: Tensor) -> Tensor:
 
 
 class QuantLinear(nn.Module):
-    """nn.Linear in the sampler. fp8 (e4m3), int8 (LLM.int8): W8A8, weights with per-output-channel
-    scales, activations quantized per token. nf4: W4A16 (QaRL's), 4-bit weights."""
+    """nn.Linear in the sampler. fp8 (e4m3), int8 (LLM.int8): W8A8, per-output-channel weight
+    scales, activations quantized per token. nf4: W4A16 (QaRL's)."""
 
     def __init__(self, linear: nn.Linear, fmt: str):
         super().__init__()
@@ -414,16 +414,17 @@ def fake_quant(x: Tensor, fmt: str) -> Tensor:
 
 def aligned_linear(linear: nn.Linear, fmt: str, x: Tensor) -> Tensor:
     """QaRL's rollout-aligned linear: the sampler's fake-quantized weights and (W8A8) activations,
-    their gradient straight through the quantizers (its value: see `backward_mini_batch`)."""
+    the gradient straight through the quantizers (its value: `backward_mini_batch`)."""
     x_q = x if fmt == "nf4" else fake_quant(x, fmt)  # W4A16 leaves activations alone
     return F.linear(x_q, fake_quant(linear.weight, fmt), linear.bias)
 
 
 @contextlib.contextmanager
 def rollout_aligned(model: nn.Module, fmt: str | None):
-    """In this block the decoder linears are `aligned_linear`s (fmt None: as they are)."""
+    """In this block the decoder linears are `aligned_linear`s (fmt None, bf16, fp16: as they
+    are)."""
     linears = []
-    if fmt:
+    if fmt and fmt not in HALF:
         linears = [module for _, module in decoder_linears(model)]
     for linear in linears:
         linear.forward = lambda x, linear=linear: aligned_linear(linear, fmt, x)
@@ -452,8 +453,8 @@ class Rollout:
 def _pick(logits: Tensor, temperature: float, noise: Tensor | None,
           token: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The next token (unless given) and its log-prob under p = softmax(logits / T), no top-k or
-    top-p (the ratio would have to reproduce them): argmax(p / E), E ~ Exponential(1) `noise`,
-    is torch.multinomial's own algorithm, without its host sync."""
+    top-p (the ratio would need them too): argmax(p / E), E ~ Exponential(1) `noise`, is
+    torch.multinomial's algorithm, without its host sync."""
     if temperature == 0:  # greedy; the log-prob is reported at T = 1
         log_probs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
         if token is None:
@@ -521,9 +522,9 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
 @torch.no_grad()
 def decode(model, tokenizer, input_ids: Tensor, prompt_mask: Tensor, n: int, max_new_tokens: int,
            temperature: float, generator=None, forced: Tensor | None = None) -> Rollout:
-    """The (b, P) prompts decoded n times each. Each prompt is prefilled once; finished rows leave
-    when a quarter are done; RoPE positions come from the mask, so left padding does not shift
-    them. `forced` (B, R) tokens are fed instead of drawn: teacher forcing through this decode."""
+    """The (b, P) prompts decoded n times each: each prefilled once, finished rows leaving when a
+    quarter are done, RoPE positions from the mask (left padding shifts none). `forced` (B, R):
+    tokens fed, not drawn (teacher forcing through this decode)."""
     device, B, pad = input_ids.device, len(input_ids) * n, tokenizer.pad_token_id
     logits, cache, cache_kwarg, stop_ids = _prefill(model, tokenizer, input_ids, prompt_mask)
     cache.batch_repeat_interleave(n)  # rows i n .. i n + n - 1 are prompt i's samples
@@ -638,7 +639,7 @@ def token_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor,
                denom: Tensor | float | None = None) -> tuple[Tensor, dict]:
     """Token objectives over (B, R) log-probs, (B,) adv, (B, R) mask: naive clips pi_theta /
     pi_behav; tis clips pi_theta / pi_prox, weighted by w = min(pi_prox / pi_behav, C); acr widens
-    the upper bound where w is truncated. The mean over the mask (DAPO), or the sum / `denom`."""
+    the upper bound where w is cut. The mask's mean (DAPO), or the sum / `denom`."""
     logp_prox, logp_behav = logp_prox.detach(), logp_behav.detach()
     adv = adv.detach().to(logp.dtype)[:, None]  # a token takes its sequence's advantage
     mask = mask.to(logp.dtype)
@@ -781,11 +782,8 @@ def train_step(learner: Learner, args: Args, problems: list[dict], step: int) ->
              "response_mask": rollout.response_mask, "logp_behav": rollout.logp_behav,
              "adv": adv.to(device)}
 
-    dtype, fmt = learner.dtype, None  # 4. pi_prox and the update
-    if args.align_forward and args.quant in HALF:  # the gradient in the sampler's precision
-        dtype = HALF[args.quant]
-    elif args.align_forward:
-        fmt = args.quant
+    fmt = args.quant if args.align_forward else None  # 4. pi_prox and the update
+    dtype = HALF.get(fmt, learner.dtype)  # aligned to a bf16/fp16 copy: autocast in its dtype
     with autocast(device, dtype), rollout_aligned(learner.actor, fmt):
         logp_prox = rollout.logp_behav.clone()  # (B, R); aligned: pi_prox = pi_behav
         if not (has_signal.all() or args.align_forward):  # pi_prox for mismatch/* alone
@@ -809,8 +807,8 @@ def train_step(learner: Learner, args: Args, problems: list[dict], step: int) ->
 
 def update(learner: Learner, args: Args, batch: dict) -> tuple[dict, Tensor]:
     """--ppo-epochs passes, --mini-batches optimizer steps each. Returns the mean metrics and
-    pi_prox (B, R), the actor's before its first optimizer step: the first mini-batch's forward
-    detached, a no-grad forward for the rest (aligned: pi_behav, no forward)."""
+    pi_prox (B, R), the actor's before any step: the first mini-batch's forward detached, a no-grad
+    forward the rest (aligned: pi_behav)."""
     mini_batches = _batches(len(batch["input_ids"]), args.mini_batches)  # slices of rows
     logp_prox = batch["logp_behav"].clone()  # (B, R)
     if len(mini_batches) > 1 and not args.align_forward:
@@ -849,9 +847,9 @@ def update(learner: Learner, args: Args, batch: dict) -> tuple[dict, Tensor]:
 
 @torch.no_grad()
 def decoded_value(learner: Learner, args: Args, mini: dict) -> Tensor:
-    """The aligned value after an optimizer step: the sampler re-synced to the actor decodes the
-    sampled tokens, teacher-forced (`decode`): (b, R) log-probs. A second sampler does it, so the
-    rollout's keeps its codes and the next sync's flip rate counts from them."""
+    """The aligned value after an optimizer step: (b, R) log-probs of the sampled tokens, decoded
+    teacher-forced by a second sampler synced to the actor (the rollout's keeps its codes: the
+    next flip rate counts from them)."""
     if learner.resynced is None:
         learner.resynced = make_sampler(learner.actor, args.quant, learner.dtype)
     sync_weights(learner.resynced, learner.actor)
@@ -872,10 +870,9 @@ def _batches(n_rows: int, n_parts: int) -> list[slice]:
 
 def backward_mini_batch(learner: Learner, args: Args, mini: dict, logp_prox: Tensor | None,
                         value: Tensor | None = None) -> tuple[dict, bool, Tensor]:
-    """A mini-batch's gradient over micro-batches, each loss divided by the mini-batch's
-    denominator: the one-pass gradient at a micro-batch's memory. logp_prox None: the forward's
-    own; `value`: logp's value (the forward gives its gradient). Returns (metrics, all finite,
-    the (b, R) logp detached)."""
+    """A mini-batch's gradient over micro-batches, each loss over the mini-batch's denominator:
+    the one-pass gradient at a micro-batch's memory. logp_prox None: the forward's own; `value`:
+    logp's value (the forward's gradient). Returns (metrics, all finite, (b, R) logp detached)."""
     mask = mini["response_mask"]  # (b, R)
     micro_batches = [slice(i, i + args.micro_batch) for i in range(0, len(mask), args.micro_batch)]
     loss_fn = functools.partial(token_loss, kind=args.loss, eps_low=args.eps_low,
@@ -954,69 +951,157 @@ METRIC_KEYS = ["step", "quant/flip_rate", "reward/mean", "reward/zero_std_groups
 LOG_EVERY, SAVE_EVERY = 10, 50  # steps between progress lines, checkpoints
 
 
-def _parser(defaults: bool = True) -> argparse.ArgumentParser:
-    """argparse from Args; defaults=False: the typed flags alone."""
-    parser = argparse.ArgumentParser(prog="qurl.py", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.error = lambda msg: _die(f"{msg} (see python qurl.py --help)")  # one line, no usage
-    for f in dataclasses.fields(Args):
-        name, meta, kind = "--" + f.name.replace("_", "-"), f.metadata, str(f.type)
-        default = f.default if defaults else argparse.SUPPRESS
-        if kind == "bool":
-            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=default,
-                                **meta)
-            continue
-        convert = {"int": int, "str": str, "str | None": str}.get(kind, float)
-        parser.add_argument(name, type=convert, default=default, **meta)
-    return parser
+@dataclass
+class RunState:
+    """A run's bookkeeping between steps."""
+    dir: Path
+    train_set: list[dict]
+    test_set: list[dict]
+    order: list[int]  # a permutation of train_set's indices
+    invariant_scale: float  # s
+    step: int = 0  # the last step finished
+    data_pos: int = 0  # problems consumed so far
+    first_eval: float | None = None  # the starting accuracy; the latest
+    last_eval: float | None = None
+    skipped: int = 0  # updates skipped (non-finite loss or gradient)
+    t_start: float = 0.0
 
 
-def parse_args(argv=None) -> Args:
-    """The flags, checked; --resume DIR starts from the run's args.json, typed flags win."""
-    args = Args(**vars(_parser().parse_args(argv)))
-    typed = vars(_parser(defaults=False).parse_args(argv))
-    if args.resume:
-        saved = Path(args.resume) / "args.json"
-        if not saved.is_file():
-            _die(f"--resume {args.resume}: not a run folder (no args.json)")
-        names = {f.name for f in dataclasses.fields(Args)}
-        saved_args = {k: v for k, v in json.loads(saved.read_text()).items() if k in names}
-        args = Args(**saved_args | typed)
-    complaint = validate_args(args)
-    if complaint:
-        _die(complaint)
-    for line in flag_notices(args, set(typed)):
-        notice(line)
-    return args
+def start_run(args: Args) -> tuple[Learner, RunState]:
+    """Check model, data, folder; build the learner; only then write; evaluate the start."""
+    device, dtype = resolve_device_dtype(args.dtype)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    actor, tokenizer = load_model(args.model, device, torch.float32)  # fp32 master weights
+    prepare_actor(actor, args.grad_checkpointing)
+    train_set = load_problems(args.train_data, "train")
+    test_set = load_problems(args.test_data, "test")[:args.eval_size or None]
+    check_prompt_lengths(actor, tokenizer, train_set + test_set, args.max_new_tokens)
+    folder = run_dir(args)
+
+    s = args.invariant_scale  # default: 1 for --quant none, else 1.5
+    if s is None:
+        s = 1.0 if args.quant == "none" else 1.5
+    if s != 1.0:
+        invariant_rescale(actor, s)
+    ckpt = load_checkpoint(folder / "ckpt.pt", actor) if args.resume else None
+
+    optimizer = torch.optim.AdamW(actor.parameters(), args.lr, (0.9, 0.99), weight_decay=0.0)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    learner = Learner(actor, optimizer, make_sampler(actor, args.quant, dtype), tokenizer,
+                      generator, dtype)
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.seed + 1))
+    run = RunState(folder, train_set, test_set, order.tolist(), s)
+    if ckpt:
+        resume_from(learner, run, ckpt)
+        notice(f"resuming from {folder / 'ckpt.pt'} (written after step {run.step}): step "
+               f"{run.step + 1} of {args.steps} is next")
+    else:
+        try:
+            folder.mkdir(parents=True)
+            (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
+        except OSError as e:
+            raise QurlError(f"cannot write to {folder} ({e.strerror}); choose another --out-dir")
+
+    run.t_start = time.time()
+    if not ckpt:
+        run.first_eval = run_eval(learner, args, test_set)
+        notice(f"step 0: eval/acc {run.first_eval:.3f} on {len(test_set)} held-out problems")
+    run.last_eval = run.first_eval
+    return learner, run
 
 
-def validate_args(args: Args) -> str | None:
-    """One line on the first value that would crash or mislead, else None."""
-    for name in ("prompts_per_step", "max_new_tokens", "ppo_epochs", "mini_batches", "micro_batch",
-                 "eval_every", "lr", "temperature"):
-        if getattr(args, name) <= 0:
-            greedy = " (0 is greedy: no distribution to train)" * (name == "temperature")
-            return f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}{greedy}"
-    checks = [
-        (args.group_size >= 2, "--group-size must be >= 2 (GRPO compares a group's samples)"),
-        (args.is_cap >= 1, "--is-cap must be >= 1 (it truncates pi_prox / pi_behav)"),
-        (min(args.tbpo_band) >= 0, "--tbpo-band widths must be >= 0"),
-        (args.invariant_scale is None or args.invariant_scale > 0,
-         "--invariant-scale must be > 0 (1 turns it off)"),
-        (args.quant != "none" or not args.align_forward,
-         "--align-forward needs a sampler apart from the actor (--quant other than none)"),
-        (args.dtype in ("auto", "float32", "bfloat16"),
-         f"--dtype {args.dtype} is not supported: use bfloat16 (fp16 needs loss scaling)"),
-    ]
-    return next((complaint for ok, complaint in checks if not ok), None)
+def run_eval(learner: Learner, args: Args, problems: list[dict]) -> float:
+    learner.actor.eval()
+    with autocast(learner.generator.device, learner.dtype):
+        accuracy = evaluate(learner.actor, learner.tokenizer, problems, args.max_new_tokens)
+    learner.actor.train()
+    return accuracy
 
 
-def flag_notices(args: Args, typed: set[str]) -> list[str]:
-    """A line for each typed flag that does nothing with the chosen loss."""
-    unused = {"naive": {"tbpo_band", "is_cap"}, "tis": {"tbpo_band"}, "acr": {"tbpo_band"},
-              "tbpo": {"eps_low", "eps_high"}}[args.loss]
-    return [f"--{name.replace('_', '-')} does nothing with --loss {args.loss}"
-            for name in sorted(unused & typed)]
+@torch.no_grad()
+def evaluate(model, tokenizer, problems: list[dict], max_new_tokens=32, batch_size=256) -> float:
+    """Greedy accuracy on held-out problems."""
+    correct = 0.0
+    for i in range(0, len(problems), batch_size):
+        chunk = problems[i:i + batch_size]
+        prompts = [format_prompt(p["question"], tokenizer) for p in chunk]
+        rollout = sample(model, tokenizer, prompts, 1, max_new_tokens, temperature=0.0)
+        correct += sum(reward(text, p["gold"]) for text, p in zip(rollout.texts, chunk))
+    return correct / len(problems)
+
+
+@contextlib.contextmanager
+def open_log(run: RunState, args: Args):
+    """A function logging a step: a metrics.jsonl row, a progress line."""
+    with open(run.dir / "metrics.jsonl", "a") as file:
+        def log(metrics: dict) -> None:
+            run.skipped += metrics["guard/skipped"]
+            if metrics["guard/skipped"]:
+                notice(f"step {run.step}: non-finite loss or gradient, update skipped")
+            row = {key: metrics.get(key) for key in METRIC_KEYS} | {"guard/skipped": run.skipped}
+            file.write(json.dumps(row) + "\n")
+            file.flush()
+            if run.step % LOG_EVERY == 0 or run.step == args.steps:
+                print(f"step {run.step:4d}/{args.steps} reward {row['reward/mean']:.3f} eval "
+                      f"{run.last_eval or 0:.3f} kl {row['mismatch/kl']:.1e} flip "
+                      f"{row['quant/flip_rate']:.2%} tok/s {row['perf/rollout_tok_s']:.0f} "
+                      f"[{time.time() - run.t_start:.0f}s]", flush=True)
+        yield log
+
+
+def save_checkpoint(learner: Learner, run: RunState) -> None:
+    """What a run resumes from, moved into place by os.replace: a crash leaves a whole one."""
+    sampler = None if learner.sampler is learner.actor else learner.sampler.state_dict()
+    ckpt = {"step": run.step, "data_pos": run.data_pos, "skipped": run.skipped,
+            "first_eval": run.first_eval, "actor": learner.actor.state_dict(),
+            "optimizer": learner.optimizer.state_dict(), "sampler": sampler,  # its codes: flips
+            "rng": (random.getstate(), torch.get_rng_state(), learner.generator.get_state())}
+    torch.save(ckpt, run.dir / "ckpt.pt.tmp")
+    os.replace(run.dir / "ckpt.pt.tmp", run.dir / "ckpt.pt")
+
+
+def finish_run(learner: Learner, run: RunState, args: Args) -> dict:
+    """final/: the fp32 actor (bf16 rounds off RL's small updates), invariant scaling folded
+    back; summary.json (a seed replays a run at its torch thread count only)."""
+    if run.invariant_scale != 1.0:
+        invariant_rescale(learner.actor, 1.0 / run.invariant_scale)
+    learner.actor.save_pretrained(run.dir / "final")
+    learner.tokenizer.save_pretrained(run.dir / "final")
+    folded = {"invariant_scale_folded_back": run.invariant_scale, "dtype": "float32"}
+    (run.dir / "final" / "qurl.json").write_text(json.dumps(folded) + "\n")
+    summary = {"start_eval_acc": run.first_eval, "final_eval_acc": run.last_eval,
+               "wall_s": round(time.time() - run.t_start, 1), "steps": args.steps,
+               "skipped_updates": run.skipped, "torch_threads": torch.get_num_threads()}
+    (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"done: eval/acc {run.first_eval or 0:.3f} -> {run.last_eval:.3f} in "
+          f"{summary['wall_s']:.0f}s; run folder {run.dir}", flush=True)
+    return summary
+
+
+STOP: set = set()  # signals received
+
+
+@contextlib.contextmanager
+def stop_requests():
+    """Here Ctrl-C and SIGTERM (a preemption) ask the loop to finish the step, checkpoint and
+    exit; a second signal aborts."""
+    STOP.clear()
+    previous = {sig: signal.signal(sig, _request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield STOP
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _request_stop(signum, frame):
+    name = signal.Signals(signum).name
+    if STOP:  # a second signal: now, without a checkpoint of this step
+        notice(f"{name} again: aborting; the last checkpoint is kept")
+        raise SystemExit(128 + signum)
+    STOP.add(signum)
+    notice(f"{name}: finishing this step, then a checkpoint (again: abort now)")
 
 
 def lr_at(step: int, steps: int, lr: float, schedule: str) -> float:
@@ -1026,9 +1111,50 @@ def lr_at(step: int, steps: int, lr: float, schedule: str) -> float:
     return 0.5 * lr * (1 + math.cos(math.pi * (step - 1) / max(steps, 1)))
 
 
-def _die(msg: str) -> None:
-    print(f"qurl: error: {msg}", file=sys.stderr)
-    sys.exit(2)
+def load_checkpoint(path: Path, actor: nn.Module) -> dict:
+    """ckpt.pt as data (weights_only: a foreign pickle runs no code), the actor loaded from it;
+    or one line why not."""
+    try:
+        ckpt = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 (the zip reader's, the unpickler's)
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0]:.120}"
+        raise QurlError(f"{path} is not a readable checkpoint ({reason})") from None
+    try:
+        actor.load_state_dict(ckpt["actor"])
+    except RuntimeError:
+        raise QurlError(f"{path} is not a checkpoint of this --model") from None
+    return ckpt
+
+
+def resume_from(learner: Learner, run: RunState, ckpt: dict) -> None:
+    learner.optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt["sampler"] is not None:
+        learner.sampler.load_state_dict(ckpt["sampler"])
+    run.step, run.data_pos, run.skipped = ckpt["step"], ckpt["data_pos"], ckpt["skipped"]
+    run.first_eval = ckpt["first_eval"]
+    random.setstate(ckpt["rng"][0])
+    torch.set_rng_state(ckpt["rng"][1])
+    learner.generator.set_state(ckpt["rng"][2])
+    log = run.dir / "metrics.jsonl"  # rows logged after the checkpoint would come twice
+    lines = log.read_text().splitlines() if log.exists() else []
+    log.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= run.step))
+
+
+def run_dir(args: Args) -> Path:
+    """The run folder: a default name is numbered (-2, -3, ...) when taken; a typed name that
+    exists is refused (nothing is replaced)."""
+    if args.resume:
+        if not (Path(args.resume) / "ckpt.pt").is_file():
+            raise QurlError(f"--resume {args.resume}: no checkpoint there")
+        return Path(args.resume)
+    name = args.run_name or f"{args.quant}-{args.loss}-s{args.seed}"
+    folder, number = Path(args.out_dir) / name, 1
+    while args.run_name is None and folder.exists():
+        number += 1
+        folder = Path(args.out_dir) / f"{name}-{number}"
+    if folder.exists():
+        raise QurlError(f"run folder {folder} exists: --resume {folder}, or another --run-name")
+    return folder
 
 
 def load_problems(spec: str, split: str = "train") -> list[dict]:
@@ -1135,203 +1261,74 @@ def check_prompt_lengths(model, tokenizer, problems: list[dict], max_new_tokens:
     return lengths[i]
 
 
-def run_dir(args: Args) -> Path:
-    """The run folder: a default name is numbered (-2, -3, ...) when taken; a typed name that
-    exists is refused (nothing is replaced)."""
+def _parser(defaults: bool = True) -> argparse.ArgumentParser:
+    """argparse from Args; defaults=False: the typed flags alone."""
+    parser = argparse.ArgumentParser(prog="qurl.py", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.error = lambda msg: _die(f"{msg} (see python qurl.py --help)")  # one line, no usage
+    for f in dataclasses.fields(Args):
+        name, meta, kind = "--" + f.name.replace("_", "-"), f.metadata, str(f.type)
+        default = f.default if defaults else argparse.SUPPRESS
+        if kind == "bool":
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=default,
+                                **meta)
+            continue
+        convert = {"int": int, "str": str, "str | None": str}.get(kind, float)
+        parser.add_argument(name, type=convert, default=default, **meta)
+    return parser
+
+
+def parse_args(argv=None) -> Args:
+    """The flags, checked; --resume DIR starts from the run's args.json, typed flags win."""
+    args = Args(**vars(_parser().parse_args(argv)))
+    typed = vars(_parser(defaults=False).parse_args(argv))
     if args.resume:
-        if not (Path(args.resume) / "ckpt.pt").is_file():
-            raise QurlError(f"--resume {args.resume}: no checkpoint there")
-        return Path(args.resume)
-    name = args.run_name or f"{args.quant}-{args.loss}-s{args.seed}"
-    folder, number = Path(args.out_dir) / name, 1
-    while args.run_name is None and folder.exists():
-        number += 1
-        folder = Path(args.out_dir) / f"{name}-{number}"
-    if folder.exists():
-        raise QurlError(f"run folder {folder} exists: --resume {folder}, or another --run-name")
-    return folder
+        saved = Path(args.resume) / "args.json"
+        if not saved.is_file():
+            _die(f"--resume {args.resume}: not a run folder (no args.json)")
+        names = {f.name for f in dataclasses.fields(Args)}
+        saved_args = {k: v for k, v in json.loads(saved.read_text()).items() if k in names}
+        args = Args(**saved_args | typed)
+    complaint = validate_args(args)
+    if complaint:
+        _die(complaint)
+    for line in flag_notices(args, set(typed)):
+        notice(line)
+    return args
 
 
-@dataclass
-class RunState:
-    """A run's bookkeeping between steps."""
-    dir: Path
-    train_set: list[dict]
-    test_set: list[dict]
-    order: list[int]  # a permutation of train_set's indices
-    invariant_scale: float  # s
-    step: int = 0  # the last step finished
-    data_pos: int = 0  # problems consumed so far
-    first_eval: float | None = None  # the starting accuracy; the latest
-    last_eval: float | None = None
-    skipped: int = 0  # updates skipped (non-finite loss or gradient)
-    t_start: float = 0.0
+def validate_args(args: Args) -> str | None:
+    """One line on the first value that would crash or mislead, else None."""
+    for name in ("prompts_per_step", "max_new_tokens", "ppo_epochs", "mini_batches", "micro_batch",
+                 "eval_every", "lr", "temperature"):
+        if getattr(args, name) <= 0:
+            greedy = " (0 is greedy: no distribution to train)" * (name == "temperature")
+            return f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}{greedy}"
+    checks = [
+        (args.group_size >= 2, "--group-size must be >= 2 (GRPO compares a group's samples)"),
+        (args.is_cap >= 1, "--is-cap must be >= 1 (it truncates pi_prox / pi_behav)"),
+        (min(args.tbpo_band) >= 0, "--tbpo-band widths must be >= 0"),
+        (args.invariant_scale is None or args.invariant_scale > 0,
+         "--invariant-scale must be > 0 (1 turns it off)"),
+        (args.quant != "none" or not args.align_forward,
+         "--align-forward needs a sampler apart from the actor (--quant other than none)"),
+        (args.dtype in ("auto", "float32", "bfloat16"),
+         f"--dtype {args.dtype} is not supported: use bfloat16 (fp16 needs loss scaling)"),
+    ]
+    return next((complaint for ok, complaint in checks if not ok), None)
 
 
-def start_run(args: Args) -> tuple[Learner, RunState]:
-    """Check model, data, folder; build the learner; only then write; evaluate the start."""
-    device, dtype = resolve_device_dtype(args.dtype)
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    actor, tokenizer = load_model(args.model, device, torch.float32)  # fp32 master weights
-    prepare_actor(actor, args.grad_checkpointing)
-    train_set = load_problems(args.train_data, "train")
-    test_set = load_problems(args.test_data, "test")[:args.eval_size or None]
-    check_prompt_lengths(actor, tokenizer, train_set + test_set, args.max_new_tokens)
-    folder = run_dir(args)
-
-    s = args.invariant_scale  # default: 1 for --quant none, else 1.5
-    if s is None:
-        s = 1.0 if args.quant == "none" else 1.5
-    if s != 1.0:
-        invariant_rescale(actor, s)
-    ckpt = load_checkpoint(folder / "ckpt.pt", actor) if args.resume else None
-
-    optimizer = torch.optim.AdamW(actor.parameters(), args.lr, (0.9, 0.99), weight_decay=0.0)
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-    learner = Learner(actor, optimizer, make_sampler(actor, args.quant, dtype), tokenizer,
-                      generator, dtype)
-    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.seed + 1))
-    run = RunState(folder, train_set, test_set, order.tolist(), s)
-    if ckpt:
-        resume_from(learner, run, ckpt)
-        notice(f"resuming from {folder / 'ckpt.pt'} (written after step {run.step}): step "
-               f"{run.step + 1} of {args.steps} is next")
-    else:
-        try:
-            folder.mkdir(parents=True)
-            (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
-        except OSError as e:
-            raise QurlError(f"cannot write to {folder} ({e.strerror}); choose another --out-dir")
-
-    run.t_start = time.time()
-    if not ckpt:
-        run.first_eval = run_eval(learner, args, test_set)
-        notice(f"step 0: eval/acc {run.first_eval:.3f} on {len(test_set)} held-out problems")
-    run.last_eval = run.first_eval
-    return learner, run
+def flag_notices(args: Args, typed: set[str]) -> list[str]:
+    """A line for each typed flag that does nothing with the chosen loss."""
+    unused = {"naive": {"tbpo_band", "is_cap"}, "tis": {"tbpo_band"}, "acr": {"tbpo_band"},
+              "tbpo": {"eps_low", "eps_high"}}[args.loss]
+    return [f"--{name.replace('_', '-')} does nothing with --loss {args.loss}"
+            for name in sorted(unused & typed)]
 
 
-def load_checkpoint(path: Path, actor: nn.Module) -> dict:
-    """ckpt.pt as data (weights_only: a pickle from elsewhere runs no code), the actor loaded from
-    it; or one line why not."""
-    try:
-        ckpt = torch.load(path, weights_only=True)
-    except Exception as e:  # noqa: BLE001 (the zip reader's, the unpickler's)
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0]:.120}"
-        raise QurlError(f"{path} is not a readable checkpoint ({reason})") from None
-    try:
-        actor.load_state_dict(ckpt["actor"])
-    except RuntimeError:
-        raise QurlError(f"{path} is not a checkpoint of this --model") from None
-    return ckpt
-
-
-def run_eval(learner: Learner, args: Args, problems: list[dict]) -> float:
-    learner.actor.eval()
-    with autocast(learner.generator.device, learner.dtype):
-        accuracy = evaluate(learner.actor, learner.tokenizer, problems, args.max_new_tokens)
-    learner.actor.train()
-    return accuracy
-
-
-@torch.no_grad()
-def evaluate(model, tokenizer, problems: list[dict], max_new_tokens=32, batch_size=256) -> float:
-    """Greedy accuracy on held-out problems."""
-    correct = 0.0
-    for i in range(0, len(problems), batch_size):
-        chunk = problems[i:i + batch_size]
-        prompts = [format_prompt(p["question"], tokenizer) for p in chunk]
-        rollout = sample(model, tokenizer, prompts, 1, max_new_tokens, temperature=0.0)
-        correct += sum(reward(text, p["gold"]) for text, p in zip(rollout.texts, chunk))
-    return correct / len(problems)
-
-
-@contextlib.contextmanager
-def open_log(run: RunState, args: Args):
-    """A function logging a step: a metrics.jsonl row, a progress line."""
-    with open(run.dir / "metrics.jsonl", "a") as file:
-        def log(metrics: dict) -> None:
-            run.skipped += metrics["guard/skipped"]
-            if metrics["guard/skipped"]:
-                notice(f"step {run.step}: non-finite loss or gradient, update skipped")
-            row = {key: metrics.get(key) for key in METRIC_KEYS} | {"guard/skipped": run.skipped}
-            file.write(json.dumps(row) + "\n")
-            file.flush()
-            if run.step % LOG_EVERY == 0 or run.step == args.steps:
-                print(f"step {run.step:4d}/{args.steps} reward {row['reward/mean']:.3f} eval "
-                      f"{run.last_eval or 0:.3f} kl {row['mismatch/kl']:.1e} flip "
-                      f"{row['quant/flip_rate']:.2%} tok/s {row['perf/rollout_tok_s']:.0f} "
-                      f"[{time.time() - run.t_start:.0f}s]", flush=True)
-        yield log
-
-
-def save_checkpoint(learner: Learner, run: RunState) -> None:
-    """What a run resumes from, moved into place by os.replace: a crash leaves a whole one."""
-    sampler = None if learner.sampler is learner.actor else learner.sampler.state_dict()
-    ckpt = {"step": run.step, "data_pos": run.data_pos, "skipped": run.skipped,
-            "first_eval": run.first_eval, "actor": learner.actor.state_dict(),
-            "optimizer": learner.optimizer.state_dict(), "sampler": sampler,  # its codes: flips
-            "rng": (random.getstate(), torch.get_rng_state(), learner.generator.get_state())}
-    torch.save(ckpt, run.dir / "ckpt.pt.tmp")
-    os.replace(run.dir / "ckpt.pt.tmp", run.dir / "ckpt.pt")
-
-
-def resume_from(learner: Learner, run: RunState, ckpt: dict) -> None:
-    learner.optimizer.load_state_dict(ckpt["optimizer"])
-    if ckpt["sampler"] is not None:
-        learner.sampler.load_state_dict(ckpt["sampler"])
-    run.step, run.data_pos, run.skipped = ckpt["step"], ckpt["data_pos"], ckpt["skipped"]
-    run.first_eval = ckpt["first_eval"]
-    random.setstate(ckpt["rng"][0])
-    torch.set_rng_state(ckpt["rng"][1])
-    learner.generator.set_state(ckpt["rng"][2])
-    log = run.dir / "metrics.jsonl"  # rows logged after the checkpoint would come twice
-    lines = log.read_text().splitlines() if log.exists() else []
-    log.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= run.step))
-
-
-def finish_run(learner: Learner, run: RunState, args: Args) -> dict:
-    """final/: the fp32 actor (bf16 rounds away RL's small updates), invariant scaling folded
-    back; summary.json (a seed replays a run at the same torch thread count only)."""
-    if run.invariant_scale != 1.0:
-        invariant_rescale(learner.actor, 1.0 / run.invariant_scale)
-    learner.actor.save_pretrained(run.dir / "final")
-    learner.tokenizer.save_pretrained(run.dir / "final")
-    folded = {"invariant_scale_folded_back": run.invariant_scale, "dtype": "float32"}
-    (run.dir / "final" / "qurl.json").write_text(json.dumps(folded) + "\n")
-    summary = {"start_eval_acc": run.first_eval, "final_eval_acc": run.last_eval,
-               "wall_s": round(time.time() - run.t_start, 1), "steps": args.steps,
-               "skipped_updates": run.skipped, "torch_threads": torch.get_num_threads()}
-    (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(f"done: eval/acc {run.first_eval or 0:.3f} -> {run.last_eval:.3f} in "
-          f"{summary['wall_s']:.0f}s; run folder {run.dir}", flush=True)
-    return summary
-
-
-STOP: set = set()  # signals received
-
-
-@contextlib.contextmanager
-def stop_requests():
-    """Here Ctrl-C and SIGTERM (a preemption) ask the loop to finish the step, checkpoint and
-    exit; a second signal aborts."""
-    STOP.clear()
-    previous = {sig: signal.signal(sig, _request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield STOP
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _request_stop(signum, frame):
-    name = signal.Signals(signum).name
-    if STOP:  # a second signal: now, without a checkpoint of this step
-        notice(f"{name} again: aborting; the last checkpoint is kept")
-        raise SystemExit(128 + signum)
-    STOP.add(signum)
-    notice(f"{name}: finishing this step, then a checkpoint (again: abort now)")
+def _die(msg: str) -> None:
+    print(f"qurl: error: {msg}", file=sys.stderr)
+    sys.exit(2)
 
 
 def main(argv=None) -> None:

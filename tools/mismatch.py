@@ -65,7 +65,7 @@ def build_sampler(actor: nn.Module, source: str) -> nn.Module:
     """The sampler with only `source` switched on (the actor is left as it is)."""
     if source in ("floor", "stale"):
         return actor
-    if source.split("_")[0] in ("fp16", "bf16", "fp8", "int8", "nf4") and source != "fp8_weights":
+    if source in ("fp16", "bf16", "fp8", "int8", "nf4") or "_aligned" in source:
         return qurl.make_sampler(actor, source.split("_")[0], torch.float32)
     sampler = copy.deepcopy(actor).eval().requires_grad_(False)
     if source == "lm_head_bf16":  # its own weight: a tied embedding stays exact
