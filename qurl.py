@@ -708,16 +708,18 @@ def tbpo_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, 
                  "clip/high": (above & nonempty).sum() / n_nonempty}
 
 
-def mismatch_metrics(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor) -> dict:
+def mismatch_metrics(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor,
+                     is_cap: float = 2.0) -> dict:
     """On the sampled tokens: k3 KL(pi_behav || pi_prox), mean |log pi_prox - log pi_behav|, max
-    pi_prox / pi_behav."""
+    w = pi_prox / pi_behav, the share of w above C (what TIS truncates)."""
     log_w = (logp_prox - logp_behav).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio_max = 1.0
     if mask.any():
         ratio_max = float(log_w.masked_fill(mask == 0, -math.inf).max().exp())
     return {"mismatch/kl": float(masked_mean(k3(log_w), mask)),
             "mismatch/logp_absdiff": float(masked_mean(log_w.abs(), mask)),
-            "mismatch/ratio_max": ratio_max}
+            "mismatch/ratio_max": ratio_max,
+            "mismatch/w_truncated": float(masked_mean((log_w > math.log(is_cap)).float(), mask))}
 
 
 # ==================== THE METHOD, 6: one RL step
@@ -799,7 +801,7 @@ def train_step(learner: Learner, args: Args, problems: list[dict], step: int) ->
             "reward/zero_std_groups": int((~has_signal).sum()) // G,
             "rollout/len_mean": n_tokens / len(rewards),
             "rollout/truncated": float(rollout.truncated.float().mean()),
-            **mismatch_metrics(logp_prox, rollout.logp_behav, rollout.response_mask),
+            **mismatch_metrics(logp_prox, rollout.logp_behav, rollout.response_mask, args.is_cap),
             "rollout/entropy": float(masked_mean(-rollout.logp_behav, rollout.response_mask)),
             **update_metrics, "perf/rollout_tok_s": n_tokens / max(rollout_s, 1e-9),
             "perf/step_s": step_s, "perf/rollout_frac": rollout_s / max(step_s, 1e-9)}
@@ -945,9 +947,10 @@ def train(args: Args) -> dict:
 # ==================== APPENDIX: plumbing (flags, data, model, runs)
 METRIC_KEYS = ["step", "quant/flip_rate", "reward/mean", "reward/zero_std_groups",
                "rollout/len_mean", "rollout/truncated", "mismatch/kl", "mismatch/logp_absdiff",
-               "mismatch/ratio_max", "rollout/entropy", "clip/low", "clip/high", "clip/acr_upper",
-               "loss/policy", "loss/entropy", "tbpo/kept", "guard/skipped",
-               "perf/rollout_tok_s", "perf/step_s", "perf/rollout_frac", "opt/lr", "eval/acc"]
+               "mismatch/ratio_max", "mismatch/w_truncated", "rollout/entropy", "clip/low",
+               "clip/high", "clip/acr_upper", "loss/policy", "loss/entropy", "tbpo/kept",
+               "guard/skipped", "perf/rollout_tok_s", "perf/step_s", "perf/rollout_frac", "opt/lr",
+               "eval/acc"]
 LOG_EVERY, SAVE_EVERY = 10, 50  # steps between progress lines, checkpoints
 
 

@@ -1139,6 +1139,9 @@ def test_masked_mean_masked_tokens_leave_the_loss_and_mismatch_metrics():
     assert loss == 0.0 and grad.abs().sum() == 0 and m["clip/low"] == 0.0
     t = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
     mm = qurl.mismatch_metrics(t(LP_PROX), t(LP_BEHAV), t([[1.0, 0.0], [0.0, 1.0]]))
+    # w = e^0.5 stays under C = 2, e^1 does not; under C = 1.5 neither does
+    assert mm["mismatch/w_truncated"] == 0.5 and qurl.mismatch_metrics(
+        t(LP_PROX), t(LP_BEHAV), t([[1.0, 0.0], [0.0, 1.0]]), 1.5)["mismatch/w_truncated"] == 1.0
     # tokens (0,0) and (1,1): r = log pi_prox/pi_behav = 0.5 and 1.0; KL(pi_behav || pi_prox) from
     # samples of
     # pi_behav by k3 = e^r - 1 - r
