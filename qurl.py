@@ -30,10 +30,9 @@ Where qurl departs from the papers, and why:
        its mismatch is its quantizer's; an engine holds them in bf16.
     4. Groups whose rewards are all equal leave the update; the learning rate decays (cosine).
     5. Evaluation is greedy, of the actor (the model trained and saved).
-    6. --align-forward takes the value of log pi_theta from the sampler's own decode (logp_behav;
-       after an optimizer step the re-synced sampler's, teacher-forced) and only the gradient from
-       QaRL's straight-through forward: no full forward computes a W8A8 decode's numbers (code
-       crossings avalanche through the layers), so here pi_prox = pi_behav bit for bit.
+    6. --align-forward takes log pi_theta's value from the sampler's own decode (logp_behav, then
+       `decoded_value`), only its gradient from QaRL's straight-through forward: no full forward
+       computes a W8A8 decode's numbers. So pi_prox = pi_behav bit for bit.
 Run: python qurl.py --quant fp8 (README.md: a real Qwen on one GPU). Tests: python -m pytest -q
 """
 from __future__ import annotations
@@ -537,7 +536,7 @@ def decode(model, tokenizer, input_ids: Tensor, prompt_mask: Tensor, n: int, max
     end = torch.full((B,), max_new_tokens, device=device)  # the first EOS's index
     out_rows = torch.arange(B, device=device)  # batch row -> output row
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    noise = fed = None  # fed: the forced tokens of step t
+    noise = fed = None  # fed: token t when forced
     for t in range(max_new_tokens):
         if forced is None:
             noise = torch.empty_like(logits, dtype=torch.float).exponential_(generator=generator)
@@ -768,11 +767,11 @@ def train_step(learner: Learner, args: Args, problems: list[dict], step: int) ->
     flip_rate = sync_weights(learner.sampler, learner.actor)  # 1. the sampler <- the actor
 
     prompts = [format_prompt(p["question"], learner.tokenizer) for p in problems]  # 2. rollout
-    decode = compiled_sample if args.compile else sample
+    generate = compiled_sample if args.compile else sample
     learner.actor.eval()
     with rollout_autocast(args.quant, device, learner.dtype):
-        rollout = decode(learner.sampler, learner.tokenizer, prompts, G, args.max_new_tokens,
-                         args.temperature, learner.generator)
+        rollout = generate(learner.sampler, learner.tokenizer, prompts, G, args.max_new_tokens,
+                           args.temperature, learner.generator)
     learner.actor.train()
     rollout_s = time.time() - start
 
@@ -1421,13 +1420,13 @@ class StaticDecoder:
         self.layer, self.embed, self.draw = map(compiled, (decoder_layer, self.embed, self.draw))
 
     def decode(self, model, input_ids, prompt_mask, n, generator):
-        """`sample`'s (B, R) tokens, log-probs, (B,) first EOS, of (b, P) prompts n times."""
+        """`sample`'s (B, R) tokens, log-probs, (B,) first EOS of (b, P) prompts, n each."""
         tokens = torch.zeros_like(self.valid[:, self.prompt_len:], dtype=torch.long)  # (B, R)
         logp = torch.zeros_like(tokens, dtype=torch.float)
         end = torch.full_like(tokens[:, 0], tokens.shape[1])  # (B,) no EOS
         done = torch.zeros_like(end, dtype=torch.bool)
         self.valid[:, :self.prompt_len] = prompt_mask.repeat_interleave(n, 0).bool()
-        column = torch.full((1,), self.prompt_len, device=input_ids.device)  # the next token's
+        column = torch.full((1,), self.prompt_len, device=input_ids.device)  # next token's
 
         for t in range(tokens.shape[1]):
             if t % SYNC_EVERY == 0 and bool(done.all()):
@@ -1449,7 +1448,7 @@ class StaticDecoder:
         columns = torch.arange(self.prompt_len, device=input_ids.device)  # (P,)
         x = self.forward(model, input_ids, columns, slice(None, None, n))
         for kv in (self.k_cache, self.v_cache):
-            groups = kv[..., :self.prompt_len, :].unflatten(1, (-1, n))  # (layers, b, n, ..)
+            groups = kv[..., :self.prompt_len, :].unflatten(1, (-1, n))  # (N_layers, b, n, ..)
             groups[:, :, 1:] = groups[:, :, :1]
         return self.draw(model, x.repeat_interleave(n, 0), columns[-1:], end, done)
 
