@@ -1,7 +1,8 @@
 """Plots of qurl runs: `python tools/plot.py RUN [RUN ...] [--out fig.png]`.
 
-Reward, held-out accuracy, mismatch KL, sampled entropy, clip fraction and flip rate per step of
-each run folder's metrics.jsonl (per-step series smoothed), one line per run.
+Reward, held-out accuracy, mismatch KL, sampled entropy, clip fractions, the share of truncated
+importance weights and flip rate per step of each run folder's metrics.jsonl (per-step series
+smoothed), one line per run.
 """
 
 import argparse
@@ -15,6 +16,8 @@ PANELS = {
     "mismatch/kl": "mismatch KL(pi_behav||pi_prox)",
     "rollout/entropy": "entropy (sampled tokens)",
     "clip/low": "clip/low (gradient zeroed)",
+    "clip/high": "clip/high (gradient zeroed)",
+    "mismatch/w_truncated": "share of weights w truncated at C",
     "quant/flip_rate": "quant flip rate",
 }
 
@@ -35,7 +38,7 @@ def plot_runs(run_dirs: list[str], out: str = "runs.png"):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(16, 7.2))
+    fig, axes = plt.subplots(2, 4, figsize=(20, 7.2))
     for run in run_dirs:
         metrics, summary = Path(run) / "metrics.jsonl", Path(run) / "summary.json"
         if not metrics.is_file():
