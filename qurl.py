@@ -228,8 +228,8 @@ def dequantize(codes: Tensor, scale: Tensor, state, fmt: str) -> Tensor:
 
 def fp8_matmul(x2: Tensor, weight_q: Tensor, weight_scale: Tensor, kernel: str = "emulate",
                weight_deq: Tensor | None = None) -> Tensor:
-    """y = Q(x2) Q(W)^T in FP8, (M, K) activations quantized per token, (N, K) weight codes:
-    torch._scaled_mm, or the same math dequantized (on `weight_deq` if given)."""
+    """y = Q(x2) Q(W)^T in FP8, (M, K) activations quantized per token, (N, K) weight codes, by
+    torch._scaled_mm or dequantized (on `weight_deq` if given)."""
     with torch.autocast(x2.device.type, enabled=False):  # the kernel fixes its own numerics
         x8, x_scale = quantize_fp8(x2)  # (M, K) codes, (M,) scales
         x_scale = x_scale[:, None]
@@ -256,7 +256,7 @@ def int8_matmul(x2: Tensor, weight_q: Tensor, weight_absmax: Tensor) -> Tensor:
 
 def int8_shift(x2: Tensor) -> Tensor:
     """(M, 1) powers of 2 that bring each row's absmax under INT8_X_MAX (real checkpoints carry
-    activations of 1e4-1e5): dividing, multiplying back is exact."""
+    activations of 1e4-1e5): dividing by them is exact."""
     amax = x2.detach().float().abs().amax(dim=-1, keepdim=True)
     return torch.exp2(torch.ceil(torch.log2((amax / INT8_X_MAX).clamp(min=1.0))))
 
@@ -338,13 +338,13 @@ def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def quantized_copy(actor: nn.Module, fmt: str) -> nn.Module:
-    """A frozen copy of the actor, its decoder linears QuantLinear (the actor is untouched)."""
-    # deepcopy's memo swaps each linear for its QuantLinear: no second fp32 copy
+    """A frozen copy of the actor, its decoder linears QuantLinear (deepcopy's memo swaps them in:
+    no second fp32 copy)."""
     memo = {id(linear): QuantLinear(linear, fmt) for _, linear in decoder_linears(actor)}
     return copy.deepcopy(actor, memo).eval().requires_grad_(False)
 
 
-HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --quant's half-precision copies
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --quant's half copies
 
 
 def make_sampler(actor: nn.Module, quant: str, dtype: torch.dtype) -> nn.Module:
@@ -366,7 +366,7 @@ def make_sampler(actor: nn.Module, quant: str, dtype: torch.dtype) -> nn.Module:
 @torch.no_grad()
 def sync_weights(sampler: nn.Module, actor: nn.Module) -> float:
     """sampler <- actor in place: re-quantize each QuantLinear, copy the rest. Returns the flip
-    rate, the share of codes (half copies: values) changed: QuRL's weight-update problem."""
+    rate, the share of codes (half copies: values) changed (QuRL's weight-update problem)."""
     if sampler is actor:
         return 0.0
     actor_modules = dict(actor.named_modules())
@@ -388,8 +388,8 @@ def sync_weights(sampler: nn.Module, actor: nn.Module) -> float:
 @torch.no_grad()
 def invariant_rescale(model: nn.Module, s: float) -> None:
     """QuRL's update-aware quantization (Eq. 11-12), once before RL: W x = (W / s)(s x), q/k/v and
-    gate/up weights divided by s, the RMSNorms before them multiplied. W / s has an s times finer
-    grid; an Adam update keeps its size: more updates reach the sampler."""
+    gate/up weights over s, their RMSNorms times s. W / s's grid is s times finer, Adam's steps
+    as large: more updates reach the sampler."""
     if type(model).__name__ not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"):
         raise QurlError(f"invariant scaling supports Qwen2, Qwen3 and Llama, not "
                         f"{type(model).__name__}: use --invariant-scale 1")
@@ -451,9 +451,8 @@ class Rollout:
 
 def _pick(logits: Tensor, temperature: float, noise: Tensor | None,
           token: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The next token (unless given) and its log-prob under p = softmax(logits / T), no top-k or
-    top-p (the ratio would need them too): argmax(p / E), E ~ Exponential(1) `noise`, is
-    torch.multinomial's algorithm, without its host sync."""
+    """The next token (unless given), its log-prob under p = softmax(logits / T) (no top-k, top-p:
+    the ratio would need them): argmax(p / E), E ~ Exp(1) `noise`, is multinomial's, no sync."""
     if temperature == 0:  # greedy; the log-prob is reported at T = 1
         log_probs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
         if token is None:
@@ -466,8 +465,8 @@ def _pick(logits: Tensor, temperature: float, noise: Tensor | None,
 
 
 def _advance(logits, temperature, noise, done, end, t, stop_ids, pad, token=None):
-    """Token t's bookkeeping (both decodes'): the next tokens (padding after a row's end), their
-    log-probs; a row's first stop token sets its `end` to t, marks it done."""
+    """Token t's bookkeeping (both decodes'): the tokens (padding after a row's end), their
+    log-probs; a row's first stop token sets its `end` to t and `done`."""
     token, logp_behav = _pick(logits, temperature, noise, token)
     token = torch.where(done, pad, token)
     finished = torch.isin(token, stop_ids) & ~done
@@ -512,7 +511,7 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 @torch.no_grad()
 def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64,
            temperature: float = 1.0, generator: torch.Generator | None = None) -> Rollout:
-    """n samples of each prompt, a token at a time, with a KV cache (`decode`)."""
+    """n samples of each prompt, with a KV cache (`decode`)."""
     input_ids, prompt_mask = encode(tokenizer, prompts, next(model.parameters()).device)
     return decode(model, tokenizer, input_ids, prompt_mask, n, max_new_tokens, temperature,
                   generator)
@@ -521,9 +520,8 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
 @torch.no_grad()
 def decode(model, tokenizer, input_ids: Tensor, prompt_mask: Tensor, n: int, max_new_tokens: int,
            temperature: float, generator=None, forced: Tensor | None = None) -> Rollout:
-    """The (b, P) prompts decoded n times each: each prefilled once, finished rows leaving when a
-    quarter are done, RoPE positions from the mask (left padding shifts none). `forced` (B, R):
-    tokens fed, not drawn (teacher forcing through this decode)."""
+    """(b, P) prompts decoded n times each: prefilled once, finished rows leaving when a quarter
+    are done, RoPE positions from the mask. `forced` (B, R): tokens fed, not drawn."""
     device, B, pad = input_ids.device, len(input_ids) * n, tokenizer.pad_token_id
     logits, cache, cache_kwarg, stop_ids = _prefill(model, tokenizer, input_ids, prompt_mask)
     cache.batch_repeat_interleave(n)  # rows i n .. i n + n - 1 are prompt i's samples
@@ -624,8 +622,8 @@ def k3(log_ratio: Tensor) -> Tensor:
 
 
 def group_advantages(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
-    """GRPO: A_i = (reward_i - mean) / (std + 1e-6) in groups of consecutive rows, unbiased std
-    (as TRL); has_signal: False where a group's rewards are equal (A = 0)."""
+    """GRPO: A_i = (reward_i - mean) / (std + 1e-6) in groups of consecutive rows (unbiased std,
+    as TRL); has_signal: False where a group's rewards are equal."""
     grouped = rewards.float().view(-1, group_size)
     std = grouped.std(dim=1, keepdim=True)
     adv = (grouped - grouped.mean(dim=1, keepdim=True)) / (std + 1e-6)
@@ -638,7 +636,7 @@ def token_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor,
                denom: Tensor | float | None = None) -> tuple[Tensor, dict]:
     """Token objectives over (B, R) log-probs, (B,) adv, (B, R) mask: naive clips pi_theta /
     pi_behav; tis clips pi_theta / pi_prox, weighted by w = min(pi_prox / pi_behav, C); acr widens
-    the upper bound where w is cut. The mask's mean (DAPO), or the sum / `denom`."""
+    the upper bound where w is cut. The mask's mean (DAPO) or sum / `denom`."""
     logp_prox, logp_behav = logp_prox.detach(), logp_behav.detach()
     adv = adv.detach().to(logp.dtype)[:, None]  # a token takes its sequence's advantage
     mask = mask.to(logp.dtype)
@@ -734,7 +732,7 @@ class Learner:
     tokenizer: object
     generator: torch.Generator  # the sampler's random numbers
     dtype: torch.dtype  # the compute dtype
-    resynced: nn.Module | None = None  # `decoded_value`'s sampler, made at its first use
+    resynced: nn.Module | None = None  # `decoded_value`'s sampler
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -791,7 +789,7 @@ def train_step(learner: Learner, args: Args, problems: list[dict], step: int) ->
             with torch.no_grad():
                 no_signal = select(batch, ~has_signal)
                 logp_prox[~has_signal] = batch_logprobs(learner.actor, no_signal, args)
-        # update trains the rows with signal and returns their pi_prox
+        # trains the rows with signal, returns their pi_prox
         update_metrics, logp_prox[has_signal] = update(learner, args, select(batch, has_signal))
 
     n_tokens = float(rollout.response_mask.sum())
@@ -822,7 +820,7 @@ def update(learner: Learner, args: Args, batch: dict) -> tuple[dict, Tensor]:
         for rows in mini_batches:
             mini, first = select(batch, rows), epoch == 0 and rows == mini_batches[0]
             prox = None if first and not args.align_forward else logp_prox[rows]  # None: its own
-            value = None  # QaRL's aligned value: the sampler's, as it sampled, then re-synced
+            value = None  # aligned: the sampler's, as it sampled, then re-synced
             if args.align_forward:
                 value = mini["logp_behav"] if first else decoded_value(learner, args, mini)
             learner.optimizer.zero_grad(set_to_none=True)
@@ -848,9 +846,8 @@ def update(learner: Learner, args: Args, batch: dict) -> tuple[dict, Tensor]:
 
 @torch.no_grad()
 def decoded_value(learner: Learner, args: Args, mini: dict) -> Tensor:
-    """The aligned value after an optimizer step: (b, R) log-probs of the sampled tokens, decoded
-    teacher-forced by a second sampler synced to the actor (the rollout's keeps its codes: the
-    next flip rate counts from them)."""
+    """The aligned value after an optimizer step: the sampled tokens' (b, R) log-probs, decoded
+    teacher-forced by a second sampler synced to the actor (the rollout's keeps its codes)."""
     if learner.resynced is None:
         learner.resynced = make_sampler(learner.actor, args.quant, learner.dtype)
     sync_weights(learner.resynced, learner.actor)
@@ -1204,8 +1201,8 @@ def _load_from_hub(name: str, split: str) -> list[tuple[str, dict]]:
 
 
 def resolve_device_dtype(dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
-    """CUDA when torch sees it (CUDA_VISIBLE_DEVICES= for the CPU); auto: bf16 on CUDA."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """CUDA if torch sees it (CUDA_VISIBLE_DEVICES= for the CPU); auto: bf16 on CUDA."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if dtype == "auto":
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
         dtype = "bfloat16" if bf16 else "float32"

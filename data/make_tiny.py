@@ -3,7 +3,8 @@
     python data/make_tiny.py            # about 1 min 45 s on 2 CPU cores
     python data/make_tiny.py --probe data/tiny-qwen runs/fp8-acr-s1/final   # where a model stands on the slip
 
-Writes data/arith_train.jsonl (20,000 problems), data/arith_test.jsonl (500, disjoint from train) and data/tiny-qwen/
+Writes data/arith_train.jsonl (20,000 problems), data/arith_test.jsonl (500, disjoint from train), their one-digit
+multiplications (data/arith_mul_*.jsonl: 683 and 117 distinct questions) and data/tiny-qwen/
 (a character-level tokenizer and a ~0.5M-parameter Qwen2ForCausalLM). The model is trained for SFT_STEPS steps of
 plain supervised next-token prediction, in exactly the prompt format qurl.py uses (`qurl.format_prompt`), on *noisy
 demonstrations*: the train problems, where in P_SLIP of the problems that need a carry or a borrow the worked solution
@@ -65,6 +66,13 @@ def make_data() -> tuple[list[dict], list[dict]]:
         if p["question"] not in seen:  # disjoint from test; repeats within train are fine (few '*' problems exist)
             train.append(p)
     return train, test
+
+
+def multiplications(rows: list[dict]) -> list[dict]:
+    """The one-digit multiplications among rows, each question once: SmolLM2-135M-Instruct's task in qurl's README
+    ("A real checkpoint on a laptop"), where its greedy accuracy starts at 18 % (8 % on the whole set)."""
+    seen = set()
+    return [r for r in rows if "*" in r["question"] and not (r["question"] in seen or seen.add(r["question"]))]
 
 
 def slip(question: str) -> tuple[str, int] | None:
@@ -157,6 +165,8 @@ def main() -> None:
     train, test = make_data()
     write_jsonl(HERE / "arith_train.jsonl", train)
     write_jsonl(HERE / "arith_test.jsonl", test)
+    write_jsonl(HERE / "arith_mul_train.jsonl", multiplications(train))
+    write_jsonl(HERE / "arith_mul_test.jsonl", multiplications(test))
     out = HERE / "tiny-qwen"
     tok = make_tokenizer(out)
     model = make_model(len(tok), tok.eos_token_id)
