@@ -1244,8 +1244,9 @@ def prepare_actor(actor: nn.Module, grad_checkpointing: bool = False) -> None:
         for name in ("p", "attention_dropout"):
             if isinstance(getattr(module, name, None), float):
                 setattr(module, name, 0.0)
-    if grad_checkpointing:
-        actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if grad_checkpointing:  # transformers 5.24's name (the old one warns), else 4.x's
+        enable = getattr(actor, "activation_checkpointing_enable", None)
+        (enable or actor.gradient_checkpointing_enable)({"use_reentrant": False})
 
 
 def check_prompt_lengths(model, tokenizer, problems: list[dict], max_new_tokens: int) -> int:

@@ -1011,6 +1011,28 @@ def test_first_token_distribution(tiny):
     assert tv < 0.03 and tv_wrong > 3 * tv, (tv, tv_wrong)
 
 
+def test_prepare_actor_checkpointing_changes_no_gradient_and_warns_nothing(tiny, problems):
+    """`prepare_actor` with --grad-checkpointing (the README's SmolLM2 recipe): the gradient of a
+    loss bit for bit as without it, and no deprecation warning from transformers."""
+    import copy
+    import warnings
+    tok = tiny[1]
+    ids, mask = qurl.encode(tok, _mixed_prompts(tok, problems, 4), "cpu")
+    grads = []
+    for checkpointing in (False, True):
+        model = copy.deepcopy(tiny[0])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            qurl.prepare_actor(model, checkpointing)
+        assert not [w for w in caught if "checkpointing" in str(w.message)], caught
+        model.train()
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        logits.float().logsumexp(-1).mean().backward()
+        grads.append([param.grad for param in model.parameters()])
+    assert model.is_gradient_checkpointing
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_sample_pads_left_whatever_the_tokenizer_says(tiny, problems):
     """`encode` pads on the left for a tokenizer set to pad on the right: the same samples."""
     import copy
@@ -2508,7 +2530,7 @@ def test_the_lesson_file_keeps_its_shape():
     method = sum(len(line.strip()) for line in lines[start:end])
     compiled = next(i for i, line in enumerate(lines) if line.startswith("def compiled_sample"))
     compiled = sum(len(line.strip()) for line in lines[compiled - 1:])  # with its decorator
-    assert chars <= 68_800 and method <= 37_200 and compiled <= 9_000, (chars, method, compiled)
+    assert chars <= 68_910 and method <= 37_200 and compiled <= 9_000, (chars, method, compiled)
     for path in [Path(qurl.__file__), Path(__file__), *sorted((HERE / "tools").glob("*.py"))]:
         wide = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if len(line) > 100]
         assert not wide, (path.name, wide)
