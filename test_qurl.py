@@ -1029,7 +1029,7 @@ def test_prepare_actor_checkpointing_changes_no_gradient_and_warns_nothing(tiny,
         logits = model(input_ids=ids, attention_mask=mask).logits
         logits.float().logsumexp(-1).mean().backward()
         grads.append([param.grad for param in model.parameters()])
-    assert model.is_gradient_checkpointing
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())  # it is on
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
