@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import dataclasses
 import functools
 import inspect
 import json
@@ -54,7 +53,7 @@ import sys
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from fractions import Fraction
 from pathlib import Path
 
@@ -71,12 +70,12 @@ class QurlError(Exception):
     """Bad input: printed as one line, exit status 2."""
 
 
-def notice(msg: str) -> None:
+def notice(msg):
     print(f"qurl: {msg}", file=sys.stderr, flush=True)
 
 
-def arg(default, help: str, **argparse_extras):
-    """A flag: its default, its --help line, argparse extras (choices, nargs, metavar)."""
+def arg(default, help, **argparse_extras):
+    """A flag: its default, its --help line, argparse extras."""
     return field(default=default, metadata={"help": help, **argparse_extras})
 
 
@@ -133,7 +132,7 @@ def format_prompt(question: str, tokenizer) -> str:
 
 def extract_answer(text: str) -> str | None:
     """The final answer: '#### 42' (as asked; GSM8K's golds), else '\\boxed{42}' (Qwen's instruct
-    models box answers whatever they are told), else the last number."""
+    models box it anyway), else the last number."""
     if "####" in text:
         tail = text.rsplit("####", 1)[1].strip().split("\n")[0]
         return _normalize(tail) if tail else None
@@ -185,8 +184,8 @@ NF4_BLOCK = 64  # weights per absmax block (QLoRA's NF4, QaRL's W4A16)
 
 
 def quantize_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row FP8 e4m3 (QuRL's W8A8): x ~= x8 * scale[:, None], scale = amax|row| / 448; a row:
-    a weight's output channel, an activation's token."""
+    """Per-row FP8 e4m3 (QuRL's W8A8): x ~= x8 * scale[:, None], scale = amax|row| / 448 (a row:
+    an output channel, a token)."""
     xf = x.detach().float()
     scale = xf.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
     x8 = (xf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # may not saturate
@@ -202,7 +201,7 @@ def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def quantize(weight: Tensor, fmt: str) -> tuple[Tensor, Tensor, object]:
     """Weights in the sampler's format: (codes, fp32 scales per row or NF4 block, NF4's state).
-    NF4 (QLoRA's): 64 weights over their absmax to the nearest of 16 normal quantiles."""
+    NF4 (QLoRA's): 64 weights over their absmax, each to the nearest of 16 normal quantiles."""
     if fmt == "fp8":
         codes, scale = quantize_fp8(weight)
         return codes, scale, None
@@ -228,13 +227,13 @@ def dequantize(codes: Tensor, scale: Tensor, state, fmt: str) -> Tensor:
 
 def fp8_matmul(x2: Tensor, weight_q: Tensor, weight_scale: Tensor, kernel: str = "emulate",
                weight_deq: Tensor | None = None) -> Tensor:
-    """y = Q(x2) Q(W)^T in FP8, (M, K) activations quantized per token, (N, K) weight codes, by
-    torch._scaled_mm or dequantized (on `weight_deq` if given)."""
+    """y = Q(x2) Q(W)^T in FP8 for (M, K) activations (quantized per token), (N, K) weight codes:
+    by torch._scaled_mm, or dequantized (`weight_deq` if given)."""
     with torch.autocast(x2.device.type, enabled=False):  # the kernel fixes its own numerics
         x8, x_scale = quantize_fp8(x2)  # (M, K) codes, (M,) scales
         x_scale = x_scale[:, None]
         dtype = torch.bfloat16 if x2.is_cuda else torch.float32  # holds every e4m3 code
-        if kernel == "scaled_mm":  # out in bf16 on CUDA (the kernel's own rounding), fp32 on CPU
+        if kernel == "scaled_mm":  # bf16 on CUDA (the kernel's own rounding), fp32 on CPU
             return torch._scaled_mm(x8, weight_q.t(), x_scale, weight_scale[None], out_dtype=dtype)
 
         if weight_deq is not None:  # the scales applied before the sum
@@ -243,8 +242,7 @@ def fp8_matmul(x2: Tensor, weight_q: Tensor, weight_scale: Tensor, kernel: str =
 
 
 def int8_matmul(x2: Tensor, weight_q: Tensor, weight_absmax: Tensor) -> Tensor:
-    """y = Q(x2) Q(W)^T by bitsandbytes' LLM.int8 kernels (threshold 0: pure W8A8): (M, K)
-    activations, (N, K) int8 weight codes with (N,) absmax."""
+    """y = Q(x2) Q(W)^T by bitsandbytes' LLM.int8 kernels (threshold 0: pure W8A8)."""
     import bitsandbytes.functional as bnbF
     with torch.autocast(x2.device.type, enabled=False):
         shift = int8_shift(x2)  # (M, 1)
@@ -255,15 +253,15 @@ def int8_matmul(x2: Tensor, weight_q: Tensor, weight_absmax: Tensor) -> Tensor:
 
 
 def int8_shift(x2: Tensor) -> Tensor:
-    """(M, 1) powers of 2 that bring each row's absmax under INT8_X_MAX (real checkpoints carry
+    """(M, 1) powers of 2 bringing each row's absmax under INT8_X_MAX (real checkpoints carry
     activations of 1e4-1e5): dividing by them is exact."""
     amax = x2.detach().float().abs().amax(dim=-1, keepdim=True)
     return torch.exp2(torch.ceil(torch.log2((amax / INT8_X_MAX).clamp(min=1.0))))
 
 
 class QuantLinear(nn.Module):
-    """nn.Linear in the sampler. fp8 (e4m3), int8 (LLM.int8): W8A8, per-output-channel weight
-    scales, activations quantized per token. nf4: W4A16 (QaRL's)."""
+    """nn.Linear in the sampler: fp8 (e4m3), int8 (LLM.int8): W8A8, weights per output channel,
+    activations per token; nf4: W4A16 (QaRL's)."""
 
     def __init__(self, linear: nn.Linear, fmt: str):
         super().__init__()
@@ -273,7 +271,7 @@ class QuantLinear(nn.Module):
             self.kernel = "scaled_mm"
         self.register_buffer("weight_q", None)
         self.register_buffer("weight_scale", None)
-        self.register_buffer("weight_deq", None, persistent=False)  # CPU: values, per sync
+        self.register_buffer("weight_deq", None, persistent=False)  # CPU: the values
         self.register_buffer("bias", None)
         if linear.bias is not None:
             self.bias = linear.bias.detach().clone()
@@ -290,10 +288,9 @@ class QuantLinear(nn.Module):
         else:
             diff = self.weight_q.view(torch.uint8) ^ codes.view(torch.uint8)
             if self.fmt == "nf4":  # two 4-bit codes a byte
-                changed = int(((diff & 0x0F) != 0).sum() + ((diff & 0xF0) != 0).sum())
-            else:
-                changed = int((diff != 0).sum())
-            self.weight_q.copy_(codes)  # in place: a compiled decode holds them
+                diff = torch.stack([diff & 0x0F, diff & 0xF0])
+            changed = int((diff != 0).sum())
+            self.weight_q.copy_(codes)  # in place: a compiled decode holds these
             self.weight_scale.copy_(scale)
         if self.nf4_state is not None:
             self.nf4_state.absmax = self.weight_scale
@@ -309,13 +306,13 @@ class QuantLinear(nn.Module):
         return changed
 
     def forward(self, x: Tensor) -> Tensor:
-        device = x.device.type  # inside torch.autocast a linear returns the autocast dtype
+        device = x.device.type  # under autocast a linear returns the autocast dtype
         out_dtype = x.dtype
         if torch.is_autocast_enabled(device):
             out_dtype = torch.get_autocast_dtype(device)
         bias = self.bias.to(out_dtype) if self.bias is not None else None
 
-        if self.fmt != "nf4":  # W8A8: 8-bit codes on both sides of the product
+        if self.fmt != "nf4":  # W8A8: 8-bit codes on both sides
             x2 = x.reshape(-1, self.in_features)  # (M, K): a row per token
             if self.fmt == "fp8":
                 y = fp8_matmul(x2, self.weight_q, self.weight_scale, self.kernel, self.weight_deq)
@@ -325,21 +322,21 @@ class QuantLinear(nn.Module):
             return y if bias is None else y + bias
 
         weight = self.weight_deq  # NF4, W4A16: the weights meet x in the compute dtype
-        if weight is None:  # CUDA: bitsandbytes dequantizes into that dtype at each call
+        if weight is None:  # CUDA: bitsandbytes dequantizes into that dtype each call
             self.nf4_state.dtype = out_dtype
             weight = dequantize(self.weight_q, self.weight_scale, self.nf4_state, "nf4")
         return F.linear(x.to(out_dtype), weight.to(out_dtype), bias)
 
 
-def decoder_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The linears QuRL quantizes: the decoder layers' (not embeddings, norms, lm_head)."""
+def decoder_linears(model) -> list[tuple[str, nn.Module]]:
+    """The linears QuRL quantizes: the decoder layers' (not the embeddings, lm_head)."""
     return [(name, module) for name, module in model.named_modules()
             if isinstance(module, (nn.Linear, QuantLinear)) and ".layers." in f".{name}"]
 
 
-def quantized_copy(actor: nn.Module, fmt: str) -> nn.Module:
-    """A frozen copy of the actor, its decoder linears QuantLinear (deepcopy's memo swaps them in:
-    no second fp32 copy)."""
+def quantized_copy(actor, fmt: str):
+    """A frozen copy of the actor, its decoder linears QuantLinear (swapped in by deepcopy's memo:
+    no fp32 copy)."""
     memo = {id(linear): QuantLinear(linear, fmt) for _, linear in decoder_linears(actor)}
     return copy.deepcopy(actor, memo).eval().requires_grad_(False)
 
@@ -347,9 +344,9 @@ def quantized_copy(actor: nn.Module, fmt: str) -> nn.Module:
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --quant's half copies
 
 
-def make_sampler(actor: nn.Module, quant: str, dtype: torch.dtype) -> nn.Module:
-    """none: the actor (no mismatch); bf16, fp16: a copy in that dtype (RoPE's buffers fp32);
-    int8, fp8, nf4: `quantized_copy`, its lm_head in `dtype`, the rest fp32 under autocast."""
+def make_sampler(actor, quant: str, dtype):
+    """none: the actor; bf16, fp16: a copy in that dtype (RoPE's buffers fp32); int8, fp8, nf4:
+    `quantized_copy`, its lm_head in `dtype`, the rest fp32 under autocast."""
     if quant == "none":
         return actor
     if quant in HALF:
@@ -358,15 +355,15 @@ def make_sampler(actor: nn.Module, quant: str, dtype: torch.dtype) -> nn.Module:
         return copy.deepcopy(actor, memo).eval()
 
     sampler = quantized_copy(actor, quant)
-    head = sampler.get_output_embeddings()  # its own weight, even where the actor ties it
+    head = sampler.get_output_embeddings()  # its own weight, even if the actor ties it
     head.weight = nn.Parameter(head.weight.detach().to(dtype), requires_grad=False)
     return sampler
 
 
 @torch.no_grad()
-def sync_weights(sampler: nn.Module, actor: nn.Module) -> float:
-    """sampler <- actor in place: re-quantize each QuantLinear, copy the rest. Returns the flip
-    rate, the share of codes (half copies: values) changed (QuRL's weight-update problem)."""
+def sync_weights(sampler, actor) -> float:
+    """sampler <- actor in place (QuantLinears re-quantized). Returns the flip rate, the share of
+    codes (half copies: values) changed: QuRL's weight-update problem."""
     if sampler is actor:
         return 0.0
     actor_modules = dict(actor.named_modules())
@@ -375,7 +372,7 @@ def sync_weights(sampler: nn.Module, actor: nn.Module) -> float:
         source = actor_modules[name]
         if isinstance(module, QuantLinear):
             changed += module.load_weight(source.weight, source.bias)
-        else:  # a half-precision copy: its codes are its values
+        else:  # a half copy: its codes are its values
             changed += int((module.weight != source.weight.to(module.weight.dtype)).sum())
         total += source.weight.numel()
 
@@ -386,7 +383,7 @@ def sync_weights(sampler: nn.Module, actor: nn.Module) -> float:
 
 
 @torch.no_grad()
-def invariant_rescale(model: nn.Module, s: float) -> None:
+def invariant_rescale(model, s: float):
     """QuRL's update-aware quantization (Eq. 11-12), once before RL: W x = (W / s)(s x), q/k/v and
     gate/up weights over s, their RMSNorms times s. W / s's grid is s times finer, Adam's steps
     as large: more updates reach the sampler."""
@@ -398,30 +395,29 @@ def invariant_rescale(model: nn.Module, s: float) -> None:
         pairs = [(layer.input_layernorm, [attention.q_proj, attention.k_proj, attention.v_proj]),
                  (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])]
         for norm, linears in pairs:
-            norm.weight.mul_(s)  # s x (an RMSNorm's output is linear in its weight)
+            norm.weight.mul_(s)  # s x (an RMSNorm is linear in its weight)
             for linear in linears:
-                linear.weight.div_(s)  # W / s (the bias stays: (W / s)(s x) + b = W x + b)
+                linear.weight.div_(s)  # W / s; the bias stays: (W / s)(s x) + b = W x + b
 
 
 def fake_quant(x: Tensor, fmt: str) -> Tensor:
     """Quantize-dequantize in the sampler's format: the value quantized, the gradient identity."""
-    x2 = x if fmt == "nf4" else x.reshape(-1, x.shape[-1])  # W8A8: (M, K), a row per token
-    shift = int8_shift(x2) if fmt == "int8" else 1.0  # as the sampler handles overflow
+    x2 = x if fmt == "nf4" else x.reshape(-1, x.shape[-1])  # W8A8: a row per token
+    shift = int8_shift(x2) if fmt == "int8" else 1.0  # as the sampler meets overflow
     values = dequantize(*quantize(x2 / shift, fmt), fmt) * shift
     return x + (values.reshape(x.shape).to(x.dtype) - x).detach()
 
 
 def aligned_linear(linear: nn.Linear, fmt: str, x: Tensor) -> Tensor:
     """QaRL's rollout-aligned linear: the sampler's fake-quantized weights and (W8A8) activations,
-    the gradient straight through the quantizers (its value: `backward_mini_batch`)."""
+    the gradient straight through (its value: `backward_mini_batch`)."""
     x_q = x if fmt == "nf4" else fake_quant(x, fmt)  # W4A16 leaves activations alone
     return F.linear(x_q, fake_quant(linear.weight, fmt), linear.bias)
 
 
 @contextlib.contextmanager
-def rollout_aligned(model: nn.Module, fmt: str | None):
-    """In this block the decoder linears are `aligned_linear`s (fmt None, bf16, fp16: as they
-    are)."""
+def rollout_aligned(model, fmt: str | None):
+    """In this block the decoder linears are `aligned_linear`s (fmt None, bf16, fp16: unchanged)."""
     linears = []
     if fmt and fmt not in HALF:
         linears = [module for _, module in decoder_linears(model)]
@@ -435,7 +431,7 @@ def rollout_aligned(model: nn.Module, fmt: str | None):
 
 
 # ==================== THE METHOD, 3: the rollout, recording logp_behav
-SYNC_EVERY = 8  # tokens between host syncs on a GPU (each stalls the launch queue)
+SYNC_EVERY = 8  # tokens between host syncs on a GPU (each stalls its launch queue)
 
 
 @dataclass
@@ -465,8 +461,8 @@ def _pick(logits: Tensor, temperature: float, noise: Tensor | None,
 
 
 def _advance(logits, temperature, noise, done, end, t, stop_ids, pad, token=None):
-    """Token t's bookkeeping (both decodes'): the tokens (padding after a row's end), their
-    log-probs; a row's first stop token sets its `end` to t and `done`."""
+    """Token t in both decodes: the tokens (padding after a row's end), their log-probs; a row's
+    first stop token sets its `end` to t and `done`."""
     token, logp_behav = _pick(logits, temperature, noise, token)
     token = torch.where(done, pad, token)
     finished = torch.isin(token, stop_ids) & ~done
@@ -474,7 +470,7 @@ def _advance(logits, temperature, noise, done, end, t, stop_ids, pad, token=None
 
 
 def encode(tokenizer, prompts: list[str], device, multiple: int | None = None):
-    """(b, P) token ids, left-padded (to a multiple of `multiple`), and their mask."""
+    """(b, P) token ids, left-padded (to a multiple of `multiple`), their mask."""
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
                         padding_side="left", pad_to_multiple_of=multiple).to(device)
     return encoded["input_ids"], encoded["attention_mask"]
@@ -501,7 +497,7 @@ def _prefill(model, tokenizer, input_ids: Tensor, attention_mask: Tensor):
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
-    """EOS ids: the tokenizer's and the generation config's (Qwen: also <|im_end|>)."""
+    """EOS ids: the tokenizer's and the generation config's (Qwen: <|im_end|> too)."""
     configured = getattr(model.generation_config, "eos_token_id", None)
     if not isinstance(configured, (list, tuple)):
         configured = [configured]
@@ -524,9 +520,9 @@ def decode(model, tokenizer, input_ids: Tensor, prompt_mask: Tensor, n: int, max
     are done, RoPE positions from the mask. `forced` (B, R): tokens fed, not drawn."""
     device, B, pad = input_ids.device, len(input_ids) * n, tokenizer.pad_token_id
     logits, cache, cache_kwarg, stop_ids = _prefill(model, tokenizer, input_ids, prompt_mask)
-    cache.batch_repeat_interleave(n)  # rows i n .. i n + n - 1 are prompt i's samples
+    cache.batch_repeat_interleave(n)  # rows i n .. i n + n - 1: prompt i's samples
     logits = logits.repeat_interleave(n, 0)  # (B, V)
-    attention_mask = prompt_mask.repeat_interleave(n, 0)  # (B, P), then a column a token
+    attention_mask = prompt_mask.repeat_interleave(n, 0)  # (B, P), a column more a token
     position = attention_mask.sum(-1)  # (B,): the next RoPE position
 
     tokens = torch.full((B, max_new_tokens), pad, device=device)  # (B, R) by output row
@@ -546,8 +542,7 @@ def decode(model, tokenizer, input_ids: Tensor, prompt_mask: Tensor, n: int, max
         if t == max_new_tokens - 1:
             break
 
-        # a host sync: each token on a CPU, every SYNC_EVERY on a GPU
-        if device.type == "cpu" or t % SYNC_EVERY == 0:
+        if device.type == "cpu" or t % SYNC_EVERY == 0:  # a host sync
             n_done = int(done.sum())
             if n_done == len(out_rows):
                 break
@@ -566,11 +561,10 @@ def decode(model, tokenizer, input_ids: Tensor, prompt_mask: Tensor, n: int, max
 
 
 def _finish(tokenizer, input_ids, prompt_mask, n, tokens, logp_behav, end) -> Rollout:
-    """The Rollout of (B, R) tokens, log-probs, (B,) first EOS of (b, P) prompts n times each:
-    tokens after the EOS become padding."""
+    """The Rollout of (B, R) tokens (padding after the EOS), log-probs, (B,) first EOS of (b, P)
+    prompts n times each."""
     R = tokens.shape[1]
     response_mask = (torch.arange(R, device=tokens.device)[None, :] <= end[:, None]).float()
-    tokens = tokens.masked_fill(response_mask == 0, tokenizer.pad_token_id)
     responses = [row[mask.bool()].tolist() for row, mask in zip(tokens, response_mask)]
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
 
@@ -585,7 +579,7 @@ def _finish(tokenizer, input_ids, prompt_mask, n, tokens, logp_behav, end) -> Ro
 # ==================== THE METHOD, 4: teacher-forced log-probs
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
                    temperature: float = 1.0, micro_batch: int = 64) -> Tensor:
-    """(B, R) log-probs of the last R tokens of (B, P + R) rows under log_softmax(logits / T), in
+    """(B, R) log-probs of the last R tokens of (B, P + R) rows, log_softmax(logits / T), in
     micro-batches."""
     R = response_mask.shape[1]
     if temperature <= 0:  # greedy rollouts are scored at T = 1
@@ -609,7 +603,7 @@ LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: a runaway log-ratio stays finite
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """The mean of x where mask is 1 (all, or along dim); 0 over an empty mask."""
+    """The mean of x where mask is 1 (all, or along dim); 0 where empty."""
     if dim is None:
         return (x * mask).sum() / mask.sum().clamp(min=1.0)
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
@@ -622,7 +616,7 @@ def k3(log_ratio: Tensor) -> Tensor:
 
 
 def group_advantages(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
-    """GRPO: A_i = (reward_i - mean) / (std + 1e-6) in groups of consecutive rows (unbiased std,
+    """GRPO: A_i = (reward_i - mean) / (std + 1e-6) over groups of consecutive rows (unbiased std,
     as TRL); has_signal: False where a group's rewards are equal."""
     grouped = rewards.float().view(-1, group_size)
     std = grouped.std(dim=1, keepdim=True)
@@ -635,24 +629,23 @@ def token_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor,
                kind: str, eps_low: float, eps_high: float, is_cap: float,
                denom: Tensor | float | None = None) -> tuple[Tensor, dict]:
     """Token objectives over (B, R) log-probs, (B,) adv, (B, R) mask: naive clips pi_theta /
-    pi_behav; tis clips pi_theta / pi_prox, weighted by w = min(pi_prox / pi_behav, C); acr widens
-    the upper bound where w is cut. The mask's mean (DAPO) or sum / `denom`."""
+    pi_behav; tis clips pi_theta / pi_prox, weighted by w; acr widens the upper bound where w is
+    cut. The mask's mean (DAPO) or sum / `denom`."""
     logp_prox, logp_behav = logp_prox.detach(), logp_behav.detach()
     adv = adv.detach().to(logp.dtype)[:, None]  # a token takes its sequence's advantage
     mask = mask.to(logp.dtype)
     log_w = (logp_prox - logp_behav).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    w = log_w.exp().clamp(max=is_cap)  # QuRL Eq. 5: w = min(pi_prox / pi_behav, C), no grad
+    log_ratio = logp - logp_prox  # pi_theta / pi_prox
+    if kind == "naive":  # QuRL Eq. 3: pi_theta / pi_behav, the sampler as the old policy
+        log_ratio, w = logp - logp_behav, torch.ones_like(w)
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     upper = torch.full_like(logp, 1 + eps_high)
-    if kind == "naive":  # QuRL Eq. 3: the sampler as the old policy
-        ratio = (logp - logp_behav).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # pi_theta/behav
-        w = torch.ones_like(ratio)
-    else:
-        ratio = (logp - logp_prox).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # pi_theta/prox
-        w = log_w.exp().clamp(max=is_cap)  # QuRL Eq. 5: w = min(pi_prox / pi_behav, C), no grad
     if kind == "acr":
         r = (is_cap * (-log_w).exp()).clamp(max=1.0)  # QuRL Eq. 9: r = min(1, C pi_behav/pi_prox)
         upper = upper / r  # QuRL Eq. 9: the upper bound (1 + eps_high) / r
 
-    clipped = torch.minimum(torch.maximum(ratio, torch.full_like(ratio, 1 - eps_low)), upper)
+    clipped = ratio.clamp(min=1 - eps_low).minimum(upper)
     per_token = -w * torch.minimum(ratio * adv, clipped * adv)  # -w min(ratio A, clip(ratio) A)
     if denom is None:
         denom = mask.sum().clamp(min=1.0)
@@ -682,7 +675,7 @@ def tbpo_ratio(logp: Tensor, logp_prox: Tensor, adv: Tensor, mask: Tensor,
 def tbpo_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, mask: Tensor,
               is_cap: float, tbpo_band: tuple[float, float, float],
               denom: Tensor | float | None = None) -> tuple[Tensor, dict]:
-    """QaRL's Trust-Band Policy Optimization over `token_loss`'s shapes: A >= 0 PPO-clipped to
+    """QaRL's Trust-Band Policy Optimization (`token_loss`'s shapes): A >= 0 PPO-clipped to
     [1 - LO, 1 + HI+], A < 0 held in [1 - LO, 1 + HI-]. Sequences out of band leave the loss and
     its denominator (their count, or `denom`)."""
     adv, mask = adv.detach().to(logp.dtype), mask.to(logp.dtype)
@@ -698,11 +691,9 @@ def tbpo_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, 
         denom = in_band.sum().clamp(min=1)
     loss = loss / denom
 
-    nonempty = mask.sum(1) > 0
-    n_nonempty = nonempty.sum().clamp(min=1)
+    n_nonempty = (mask.sum(1) > 0).sum().clamp(min=1)
     return loss, {"loss/policy": loss.detach(), "tbpo/kept": in_band.sum() / n_nonempty,
-                 "clip/low": (below & nonempty).sum() / n_nonempty,
-                 "clip/high": (above & nonempty).sum() / n_nonempty}
+                 "clip/low": below.sum() / n_nonempty, "clip/high": above.sum() / n_nonempty}
 
 
 def mismatch_metrics(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor,
@@ -720,7 +711,7 @@ def mismatch_metrics(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor,
 
 
 # ==================== THE METHOD, 6: one RL step
-MAX_GRAD_NORM = 1.0  # gradient clipping
+MAX_GRAD_NORM = 1.0
 
 
 @dataclass
@@ -728,20 +719,20 @@ class Learner:
     """What an RL step touches."""
     actor: nn.Module  # fp32 master weights
     optimizer: torch.optim.Optimizer  # AdamW, fp32 state
-    sampler: nn.Module  # the rollout copy (--quant none: the actor)
+    sampler: nn.Module  # the rollout's copy (--quant none: the actor)
     tokenizer: object
     generator: torch.Generator  # the sampler's random numbers
     dtype: torch.dtype  # the compute dtype
     resynced: nn.Module | None = None  # `decoded_value`'s sampler
 
 
-def autocast(device: torch.device, dtype: torch.dtype):
+def autocast(device, dtype):
     """Forwards compute in `dtype` on fp32 master weights; fp32: autocast off."""
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
-def rollout_autocast(quant: str, device: torch.device, dtype: torch.dtype):
-    """A bf16 or fp16 copy decodes in its own dtype, autocast off; other samplers as the actor."""
+def rollout_autocast(quant: str, device, dtype):
+    """A bf16 or fp16 copy decodes in its dtype, autocast off; other samplers as the actor."""
     if quant in HALF:
         return torch.autocast(device.type, enabled=False)
     return autocast(device, dtype)
@@ -752,13 +743,13 @@ def select(batch: dict, rows) -> dict:
     return {key: value[rows] for key, value in batch.items()}
 
 
-def batch_logprobs(model, batch: dict, args: Args) -> Tensor:
+def batch_logprobs(model, batch: dict, args) -> Tensor:
     """`token_logprobs` of a batch's rows."""
     return token_logprobs(model, batch["input_ids"], batch["attention_mask"],
                           batch["response_mask"], args.temperature, args.micro_batch)
 
 
-def train_step(learner: Learner, args: Args, problems: list[dict], step: int) -> dict:
+def train_step(learner, args, problems: list[dict], step: int) -> dict:
     """One RL step: sync, rollout, rewards, advantages, pi_prox, update. Returns its metrics."""
     start = time.time()
     G, device = args.group_size, learner.generator.device
@@ -789,7 +780,6 @@ def train_step(learner: Learner, args: Args, problems: list[dict], step: int) ->
             with torch.no_grad():
                 no_signal = select(batch, ~has_signal)
                 logp_prox[~has_signal] = batch_logprobs(learner.actor, no_signal, args)
-        # trains the rows with signal, returns their pi_prox
         update_metrics, logp_prox[has_signal] = update(learner, args, select(batch, has_signal))
 
     n_tokens = float(rollout.response_mask.sum())
@@ -804,11 +794,11 @@ def train_step(learner: Learner, args: Args, problems: list[dict], step: int) ->
             "perf/step_s": step_s, "perf/rollout_frac": rollout_s / max(step_s, 1e-9)}
 
 
-def update(learner: Learner, args: Args, batch: dict) -> tuple[dict, Tensor]:
-    """--ppo-epochs passes, --mini-batches optimizer steps each. Returns the mean metrics and
-    pi_prox (B, R), the actor's before any step: the first mini-batch's forward detached, a no-grad
+def update(learner, args, batch: dict) -> tuple[dict, Tensor]:
+    """--ppo-epochs passes of --mini-batches optimizer steps. Returns the mean metrics and pi_prox
+    (B, R), the actor's before any step: the first mini-batch's forward detached, a no-grad
     forward the rest (aligned: pi_behav)."""
-    mini_batches = _batches(len(batch["input_ids"]), args.mini_batches)  # slices of rows
+    mini_batches = _batches(len(batch["input_ids"]), args.mini_batches)
     logp_prox = batch["logp_behav"].clone()  # (B, R)
     if len(mini_batches) > 1 and not args.align_forward:
         later = slice(mini_batches[0].stop, None)
@@ -823,7 +813,7 @@ def update(learner: Learner, args: Args, batch: dict) -> tuple[dict, Tensor]:
             value = None  # aligned: the sampler's, as it sampled, then re-synced
             if args.align_forward:
                 value = mini["logp_behav"] if first else decoded_value(learner, args, mini)
-            learner.optimizer.zero_grad(set_to_none=True)
+            learner.optimizer.zero_grad()
             metrics, finite, logp = backward_mini_batch(learner, args, mini, prox, value)
             if prox is None:
                 logp_prox[rows] = logp
@@ -834,7 +824,7 @@ def update(learner: Learner, args: Args, batch: dict) -> tuple[dict, Tensor]:
                 torch.clear_autocast_cache()  # autocast keeps bf16 weights until its block ends
             else:
                 skipped += 1
-            learner.optimizer.zero_grad(set_to_none=True)
+            learner.optimizer.zero_grad()
             logs.append(metrics)
 
     averaged = {"guard/skipped": skipped}
@@ -845,18 +835,17 @@ def update(learner: Learner, args: Args, batch: dict) -> tuple[dict, Tensor]:
 
 
 @torch.no_grad()
-def decoded_value(learner: Learner, args: Args, mini: dict) -> Tensor:
-    """The aligned value after an optimizer step: the sampled tokens' (b, R) log-probs, decoded
+def decoded_value(learner, args, mini: dict) -> Tensor:
+    """The aligned value after an optimizer step: the sampled tokens' (b, R) log-probs decoded
     teacher-forced by a second sampler synced to the actor (the rollout's keeps its codes)."""
     if learner.resynced is None:
         learner.resynced = make_sampler(learner.actor, args.quant, learner.dtype)
     sync_weights(learner.resynced, learner.actor)
     R = mini["response_mask"].shape[1]
-    P = mini["input_ids"].shape[1] - R
     with rollout_autocast(args.quant, learner.generator.device, learner.dtype):
-        rollout = decode(learner.resynced, learner.tokenizer, mini["input_ids"][:, :P],
-                         mini["attention_mask"][:, :P], 1, R, args.temperature,
-                         forced=mini["input_ids"][:, P:])
+        rollout = decode(learner.resynced, learner.tokenizer, mini["input_ids"][:, :-R],
+                         mini["attention_mask"][:, :-R], 1, R, args.temperature,
+                         forced=mini["input_ids"][:, -R:])
     return F.pad(rollout.logp_behav, (0, R - rollout.logp_behav.shape[1]))  # rows end early
 
 
@@ -866,7 +855,7 @@ def _batches(n_rows: int, n_parts: int) -> list[slice]:
     return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
-def backward_mini_batch(learner: Learner, args: Args, mini: dict, logp_prox: Tensor | None,
+def backward_mini_batch(learner, args, mini: dict, logp_prox: Tensor | None,
                         value: Tensor | None = None) -> tuple[dict, bool, Tensor]:
     """A mini-batch's gradient over micro-batches, each loss over the mini-batch's denominator:
     the one-pass gradient at a micro-batch's memory. logp_prox None: the forward's own; `value`:
@@ -876,18 +865,8 @@ def backward_mini_batch(learner: Learner, args: Args, mini: dict, logp_prox: Ten
     loss_fn = functools.partial(token_loss, kind=args.loss, eps_low=args.eps_low,
                                 eps_high=args.eps_high, is_cap=args.is_cap)
     denom = mask.sum().clamp(min=1.0)  # token losses: the mini-batch's tokens
-    if args.loss == "tbpo":  # TBPO: the sequences in band
-        in_band = mask.sum(1) > 0  # pi_prox the forward's own: s = 1, all in band
-        if logp_prox is not None:  # after an optimizer step: count them, no grad
-            bands = []
-            for rows in micro_batches:
-                with torch.no_grad():
-                    logp = value[rows] if value is not None else batch_logprobs(
-                        learner.actor, select(mini, rows), args)
-                adv = mini["adv"][rows]
-                bands.append(tbpo_ratio(logp, logp_prox[rows], adv, mask[rows], args.tbpo_band)[1])
-            in_band = torch.cat(bands)
-        denom = in_band.sum().clamp(min=1).to(mask.dtype)
+    if args.loss == "tbpo":  # sums: the in-band count is known after the forwards
+        denom = 1.0
         loss_fn = functools.partial(tbpo_loss, is_cap=args.is_cap, tbpo_band=args.tbpo_band)
 
     logps, proxes, finite = [], [], torch.tensor(True)
@@ -907,6 +886,11 @@ def backward_mini_batch(learner: Learner, args: Args, mini: dict, logp_prox: Ten
         proxes.append(prox)
 
     logp, prox = torch.cat(logps), torch.cat(proxes)  # (b, R) each
+    if args.loss == "tbpo":  # TBPO's denominator: the sequences in band
+        denom = tbpo_ratio(logp, prox, mini["adv"], mask, args.tbpo_band)[1].sum().clamp(min=1)
+        for param in learner.actor.parameters():
+            if param.grad is not None:
+                param.grad /= denom
     _, metrics = loss_fn(logp, prox, mini["logp_behav"], mini["adv"], mask, denom=denom)
     metrics["loss/entropy"] = masked_mean(-logp, mask)  # of the sampled tokens
     values = torch.stack([*metrics.values(), finite]).tolist()  # one host sync
@@ -914,11 +898,11 @@ def backward_mini_batch(learner: Learner, args: Args, mini: dict, logp_prox: Ten
 
 
 # ==================== THE METHOD, 7: the training loop
-def train(args: Args) -> dict:
+def train(args) -> dict:
     """The RL loop: train_step, an evaluation every --eval-every steps, a checkpoint every
     SAVE_EVERY and on Ctrl-C or SIGTERM."""
     learner, run = start_run(args)
-    with stop_requests(), open_log(run, args) as log:
+    with stop_requests():
         for step in range(run.step + 1, args.steps + 1):
             for param_group in learner.optimizer.param_groups:
                 param_group["lr"] = lr_at(step, args.steps, args.lr, args.lr_schedule)
@@ -929,7 +913,7 @@ def train(args: Args) -> dict:
 
             if step % args.eval_every == 0 or step == args.steps:
                 run.last_eval = metrics["eval/acc"] = run_eval(learner, args, run.test_set)
-            log(metrics | {"opt/lr": learner.optimizer.param_groups[0]["lr"]})
+            log_step(run, args, metrics | {"opt/lr": learner.optimizer.param_groups[0]["lr"]})
 
             if STOP or (step % SAVE_EVERY == 0 and step != args.steps):
                 save_checkpoint(learner, run)
@@ -960,13 +944,13 @@ class RunState:
     invariant_scale: float  # s
     step: int = 0  # the last step finished
     data_pos: int = 0  # problems consumed so far
-    first_eval: float | None = None  # the starting accuracy; the latest
+    first_eval: float | None = None  # the accuracy at the start, the latest
     last_eval: float | None = None
     skipped: int = 0  # updates skipped (non-finite loss or gradient)
     t_start: float = 0.0
 
 
-def start_run(args: Args) -> tuple[Learner, RunState]:
+def start_run(args):
     """Check model, data, folder; build the learner; only then write; evaluate the start."""
     device, dtype = resolve_device_dtype(args.dtype)
     random.seed(args.seed)
@@ -998,7 +982,7 @@ def start_run(args: Args) -> tuple[Learner, RunState]:
     else:
         try:
             folder.mkdir(parents=True)
-            (folder / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
+            (folder / "args.json").write_text(json.dumps(asdict(args), indent=1))
         except OSError as e:
             raise QurlError(f"cannot write to {folder} ({e.strerror}); choose another --out-dir")
 
@@ -1010,7 +994,7 @@ def start_run(args: Args) -> tuple[Learner, RunState]:
     return learner, run
 
 
-def run_eval(learner: Learner, args: Args, problems: list[dict]) -> float:
+def run_eval(learner, args, problems):
     learner.actor.eval()
     with autocast(learner.generator.device, learner.dtype):
         accuracy = evaluate(learner.actor, learner.tokenizer, problems, args.max_new_tokens)
@@ -1019,7 +1003,7 @@ def run_eval(learner: Learner, args: Args, problems: list[dict]) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, problems: list[dict], max_new_tokens=32, batch_size=256) -> float:
+def evaluate(model, tokenizer, problems, max_new_tokens=32, batch_size=256):
     """Greedy accuracy on held-out problems."""
     correct = 0.0
     for i in range(0, len(problems), batch_size):
@@ -1030,26 +1014,22 @@ def evaluate(model, tokenizer, problems: list[dict], max_new_tokens=32, batch_si
     return correct / len(problems)
 
 
-@contextlib.contextmanager
-def open_log(run: RunState, args: Args):
-    """A function logging a step: a metrics.jsonl row, a progress line."""
+def log_step(run, args, metrics):
+    """A step's metrics.jsonl row; every LOG_EVERY steps a progress line."""
+    run.skipped += metrics["guard/skipped"]
+    if metrics["guard/skipped"]:
+        notice(f"step {run.step}: non-finite loss or gradient, update skipped")
+    row = {key: metrics.get(key) for key in METRIC_KEYS} | {"guard/skipped": run.skipped}
     with open(run.dir / "metrics.jsonl", "a") as file:
-        def log(metrics: dict) -> None:
-            run.skipped += metrics["guard/skipped"]
-            if metrics["guard/skipped"]:
-                notice(f"step {run.step}: non-finite loss or gradient, update skipped")
-            row = {key: metrics.get(key) for key in METRIC_KEYS} | {"guard/skipped": run.skipped}
-            file.write(json.dumps(row) + "\n")
-            file.flush()
-            if run.step % LOG_EVERY == 0 or run.step == args.steps:
-                print(f"step {run.step:4d}/{args.steps} reward {row['reward/mean']:.3f} eval "
-                      f"{run.last_eval or 0:.3f} kl {row['mismatch/kl']:.1e} flip "
-                      f"{row['quant/flip_rate']:.2%} tok/s {row['perf/rollout_tok_s']:.0f} "
-                      f"[{time.time() - run.t_start:.0f}s]", flush=True)
-        yield log
+        file.write(json.dumps(row) + "\n")
+    if run.step % LOG_EVERY == 0 or run.step == args.steps:
+        print(f"step {run.step:4d}/{args.steps} reward {row['reward/mean']:.3f} eval "
+              f"{run.last_eval or 0:.3f} kl {row['mismatch/kl']:.1e} flip "
+              f"{row['quant/flip_rate']:.2%} tok/s {row['perf/rollout_tok_s']:.0f} "
+              f"[{time.time() - run.t_start:.0f}s]", flush=True)
 
 
-def save_checkpoint(learner: Learner, run: RunState) -> None:
+def save_checkpoint(learner, run):
     """What a run resumes from, moved into place by os.replace: a crash leaves a whole one."""
     sampler = None if learner.sampler is learner.actor else learner.sampler.state_dict()
     ckpt = {"step": run.step, "data_pos": run.data_pos, "skipped": run.skipped,
@@ -1060,7 +1040,7 @@ def save_checkpoint(learner: Learner, run: RunState) -> None:
     os.replace(run.dir / "ckpt.pt.tmp", run.dir / "ckpt.pt")
 
 
-def finish_run(learner: Learner, run: RunState, args: Args) -> dict:
+def finish_run(learner, run, args):
     """final/: the fp32 actor (bf16 rounds off RL's small updates), invariant scaling folded
     back; summary.json (a seed replays a run at its torch thread count only)."""
     if run.invariant_scale != 1.0:
@@ -1096,26 +1076,26 @@ def stop_requests():
 
 def _request_stop(signum, frame):
     name = signal.Signals(signum).name
-    if STOP:  # a second signal: now, without a checkpoint of this step
+    if STOP:  # a second signal: abort, no checkpoint of this step
         notice(f"{name} again: aborting; the last checkpoint is kept")
         raise SystemExit(128 + signum)
     STOP.add(signum)
     notice(f"{name}: finishing this step, then a checkpoint (again: abort now)")
 
 
-def lr_at(step: int, steps: int, lr: float, schedule: str) -> float:
+def lr_at(step, steps, lr, schedule):
     """The learning rate of step 1..steps (cosine: the last updates are small)."""
     if schedule == "constant":
         return lr
     return 0.5 * lr * (1 + math.cos(math.pi * (step - 1) / max(steps, 1)))
 
 
-def load_checkpoint(path: Path, actor: nn.Module) -> dict:
+def load_checkpoint(path, actor):
     """ckpt.pt as data (weights_only: a foreign pickle runs no code), the actor loaded from it;
     or one line why not."""
     try:
         ckpt = torch.load(path, weights_only=True)
-    except Exception as e:  # noqa: BLE001 (the zip reader's, the unpickler's)
+    except Exception as e:  # the zip reader's, the unpickler's
         reason = f"{type(e).__name__}: {str(e).splitlines()[0]:.120}"
         raise QurlError(f"{path} is not a readable checkpoint ({reason})") from None
     try:
@@ -1125,7 +1105,7 @@ def load_checkpoint(path: Path, actor: nn.Module) -> dict:
     return ckpt
 
 
-def resume_from(learner: Learner, run: RunState, ckpt: dict) -> None:
+def resume_from(learner, run, ckpt):
     learner.optimizer.load_state_dict(ckpt["optimizer"])
     if ckpt["sampler"] is not None:
         learner.sampler.load_state_dict(ckpt["sampler"])
@@ -1139,9 +1119,9 @@ def resume_from(learner: Learner, run: RunState, ckpt: dict) -> None:
     log.write_text("".join(line + "\n" for line in lines if json.loads(line)["step"] <= run.step))
 
 
-def run_dir(args: Args) -> Path:
-    """The run folder: a default name is numbered (-2, -3, ...) when taken; a typed name that
-    exists is refused (nothing is replaced)."""
+def run_dir(args):
+    """The run folder: a default name taken is numbered (-2, -3, ...); a typed one that exists is
+    refused (nothing is replaced)."""
     if args.resume:
         if not (Path(args.resume) / "ckpt.pt").is_file():
             raise QurlError(f"--resume {args.resume}: no checkpoint there")
@@ -1156,7 +1136,7 @@ def run_dir(args: Args) -> Path:
     return folder
 
 
-def load_problems(spec: str, split: str = "train") -> list[dict]:
+def load_problems(spec, split="train"):
     """[{"question", "gold"}] from a .jsonl file (an error names its line) or a hub data set."""
     if spec.endswith(".jsonl"):
         if not Path(spec).is_file():
@@ -1184,7 +1164,7 @@ def load_problems(spec: str, split: str = "train") -> list[dict]:
     return problems
 
 
-def _load_from_hub(name: str, split: str) -> list[tuple[str, dict]]:
+def _load_from_hub(name, split):
     """A hub data set's records (gsm8k: config main)."""
     if Path(name).exists() or name.startswith((".", "/")) or name.count("/") != 1:
         raise QurlError(f"data '{name}' is neither a .jsonl file nor a hub name")
@@ -1200,7 +1180,7 @@ def _load_from_hub(name: str, split: str) -> list[tuple[str, dict]]:
     return [(f"{name}[{split}] row {i + 1}", record) for i, record in enumerate(table)]
 
 
-def resolve_device_dtype(dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
+def resolve_device_dtype(dtype="auto"):
     """CUDA if torch sees it (CUDA_VISIBLE_DEVICES= for the CPU); auto: bf16 on CUDA."""
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if dtype == "auto":
@@ -1209,7 +1189,7 @@ def resolve_device_dtype(dtype: str = "auto") -> tuple[torch.device, torch.dtype
     return device, getattr(torch, dtype)
 
 
-def model_path(name: str) -> str:
+def model_path(name):
     """A model folder (or one beside qurl.py) or a hub name."""
     if not Path(name).is_dir() and (HERE / name).is_dir():
         return str(HERE / name)
@@ -1218,7 +1198,7 @@ def model_path(name: str) -> str:
     return name
 
 
-def load_model(name: str = "data/tiny-qwen", device="cpu", dtype=torch.float32):
+def load_model(name="data/tiny-qwen", device="cpu", dtype=torch.float32):
     """(model, tokenizer), with left padding and a pad token."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -1238,18 +1218,18 @@ def load_model(name: str = "data/tiny-qwen", device="cpu", dtype=torch.float32):
     return model, tokenizer
 
 
-def prepare_actor(actor: nn.Module, grad_checkpointing: bool = False) -> None:
+def prepare_actor(actor, grad_checkpointing=False):
     """No dropout: pi_prox and pi_theta would be noisy estimates of one policy."""
-    for module in actor.modules():  # nn.Dropout's p, and transformers' attention's float
+    for module in actor.modules():  # nn.Dropout's p, transformers' attention's float
         for name in ("p", "attention_dropout"):
             if isinstance(getattr(module, name, None), float):
                 setattr(module, name, 0.0)
-    if grad_checkpointing:  # transformers 5.24's name (the old one warns), else 4.x's
+    if grad_checkpointing:  # transformers 5.24's name (the old one warns), or 4.x's
         enable = getattr(actor, "activation_checkpointing_enable", None)
         (enable or actor.gradient_checkpointing_enable)({"use_reentrant": False})
 
 
-def check_prompt_lengths(model, tokenizer, problems: list[dict], max_new_tokens: int) -> int:
+def check_prompt_lengths(model, tokenizer, problems, max_new_tokens):
     """The widest prompt in tokens; refuses one beyond the context."""
     prompts = [format_prompt(p["question"], tokenizer) for p in problems]
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
@@ -1261,24 +1241,22 @@ def check_prompt_lengths(model, tokenizer, problems: list[dict], max_new_tokens:
     return lengths[i]
 
 
-def _parser(defaults: bool = True) -> argparse.ArgumentParser:
+def _parser(defaults=True):
     """argparse from Args; defaults=False: the typed flags alone."""
     parser = argparse.ArgumentParser(prog="qurl.py", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.error = lambda msg: _die(f"{msg} (see python qurl.py --help)")  # one line, no usage
-    for f in dataclasses.fields(Args):
+    for f in fields(Args):
         name, meta, kind = "--" + f.name.replace("_", "-"), f.metadata, str(f.type)
         default = f.default if defaults else argparse.SUPPRESS
+        extras = {"type": {"int": int, "str": str, "str | None": str}.get(kind, float)}
         if kind == "bool":
-            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=default,
-                                **meta)
-            continue
-        convert = {"int": int, "str": str, "str | None": str}.get(kind, float)
-        parser.add_argument(name, type=convert, default=default, **meta)
+            extras = {"action": argparse.BooleanOptionalAction}
+        parser.add_argument(name, default=default, **extras, **meta)
     return parser
 
 
-def parse_args(argv=None) -> Args:
+def parse_args(argv=None):
     """The flags, checked; --resume DIR starts from the run's args.json, typed flags win."""
     args = Args(**vars(_parser().parse_args(argv)))
     typed = vars(_parser(defaults=False).parse_args(argv))
@@ -1286,7 +1264,7 @@ def parse_args(argv=None) -> Args:
         saved = Path(args.resume) / "args.json"
         if not saved.is_file():
             _die(f"--resume {args.resume}: not a run folder (no args.json)")
-        names = {f.name for f in dataclasses.fields(Args)}
+        names = {f.name for f in fields(Args)}
         saved_args = {k: v for k, v in json.loads(saved.read_text()).items() if k in names}
         args = Args(**saved_args | typed)
     complaint = validate_args(args)
@@ -1297,8 +1275,8 @@ def parse_args(argv=None) -> Args:
     return args
 
 
-def validate_args(args: Args) -> str | None:
-    """One line on the first value that would crash or mislead, else None."""
+def validate_args(args):
+    """One line on the first value that would crash or mislead, or None."""
     for name in ("prompts_per_step", "max_new_tokens", "ppo_epochs", "mini_batches", "micro_batch",
                  "eval_every", "lr", "temperature"):
         if getattr(args, name) <= 0:
@@ -1318,7 +1296,7 @@ def validate_args(args: Args) -> str | None:
     return next((complaint for ok, complaint in checks if not ok), None)
 
 
-def flag_notices(args: Args, typed: set[str]) -> list[str]:
+def flag_notices(args, typed):
     """A line for each typed flag that does nothing with the chosen loss."""
     unused = {"naive": {"tbpo_band", "is_cap"}, "tis": {"tbpo_band"}, "acr": {"tbpo_band"},
               "tbpo": {"eps_low", "eps_high"}}[args.loss]
@@ -1326,12 +1304,12 @@ def flag_notices(args: Args, typed: set[str]) -> list[str]:
             for name in sorted(unused & typed)]
 
 
-def _die(msg: str) -> None:
+def _die(msg):
     print(f"qurl: error: {msg}", file=sys.stderr)
     sys.exit(2)
 
 
-def main(argv=None) -> None:
+def main(argv=None):
     args = parse_args(argv)
     try:
         train(args)
@@ -1369,8 +1347,8 @@ def compiled_sample(model, tokenizer, prompts, n=1, max_new_tokens=64, temperatu
 @torch.no_grad()
 def fuse(linears):
     """One linear for several on one input (vLLM's QKVParallelLinear): one GEMM, one activation
-    quantization. Per-row codes and scales, stacked, are the fused ones: the parts become views of
-    its rows (`.data`), refreshed by a sync."""
+    quantization. Per-row codes and scales, stacked, are the fused ones: the parts become views
+    of its rows, refreshed by a sync."""
     fused = copy.deepcopy(linears[0])  # NF4's state holds its absmax: it follows
     for name, whole in [*fused.named_parameters(), *fused.named_buffers()]:
         parts = [getattr(linear, name) for linear in linears]
@@ -1482,8 +1460,8 @@ class StaticDecoder:
 
 def graphed(fn, model, *inputs):
     """fn as a CUDA graph on a GPU: a call copies its arguments into `inputs`, replays, returns
-    the outputs (the next call overwrites them). Two calls on these real inputs first (on a CPU
-    too) compile it: fn must be idempotent."""
+    the outputs (overwritten by the next). Two calls on these real inputs (on a CPU too) compile
+    it first: fn must be idempotent."""
     stream = torch.cuda.Stream() if inputs[0].is_cuda else None
     if stream:
         stream.wait_stream(torch.cuda.current_stream())

@@ -4,6 +4,7 @@ CPU cores.
 Numbers are checked against independent references: teacher-forced log-probs, model.generate, a
 plain fp32 nn.Linear, hand-computed loss values and the recorded warm-up accuracy."""
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -1524,11 +1525,10 @@ def test_update_steps_once_per_mini_batch_on_its_own_rows(tiny, problems):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-7)
 
 
-def test_backward_mini_batch_tbpo_counts_its_band_only_after_a_step(tiny, problems):
-    """TBPO's denominator is the in-band count. Before any step (pi_prox None: the forward's own)
-    s = 1 for every sequence, so no counting forward is run and the count is the non-empty rows;
-    after a step pi_prox is given and a no-grad pass counts first. Both give the same gradient
-    when pi_prox equals the actor."""
+def test_backward_mini_batch_tbpo_counts_its_band_after_the_forwards(tiny, problems):
+    """TBPO's denominator is the in-band count, known only after the micro-batches' forwards:
+    the summed gradient is divided by it then, with no counting pass, whether pi_prox is the
+    forward's own (None) or given. Both give the same gradient when pi_prox equals the actor."""
     import copy
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
     ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=8,
@@ -1547,7 +1547,7 @@ def test_backward_mini_batch_tbpo_counts_its_band_only_after_a_step(tiny, proble
     seen.clear()
     again, _, _ = qurl.backward_mini_batch(rl, args, batch, logp)
     hook.remove()
-    assert seen == [5, 5, 5, 1] * 2  # the counting pass, then the training forwards
+    assert seen == [5, 5, 5, 1]  # no counting pass
     assert metrics == again and metrics["tbpo/kept"] == 1.0
     for got, ref in zip(grads, [p.grad for p in model.parameters() if p.grad is not None]):
         torch.testing.assert_close(got, ref)
@@ -2139,7 +2139,7 @@ def test_compile_end_to_end(tmp_path):
 def test_cli_help_and_dry_run():
     res = run_cli("--help", fresh=True)  # the real entry point
     assert res.returncode == 0 and "--invariant-scale" in res.stdout and "W4A16 nf4" in res.stdout
-    flags = [f for f in qurl.dataclasses.fields(qurl.Args)]
+    flags = [f for f in dataclasses.fields(qurl.Args)]
     assert len(flags) <= 32 and res.stdout.count("\n  --") >= len(flags)
     res = subprocess.run([sys.executable, str(HERE / "tools/dry_run.py"), "--quant", "fp8"],
                          capture_output=True, text=True, cwd=HERE, timeout=120)
@@ -2530,7 +2530,7 @@ def test_the_lesson_file_keeps_its_shape():
     method = sum(len(line.strip()) for line in lines[start:end])
     compiled = next(i for i, line in enumerate(lines) if line.startswith("def compiled_sample"))
     compiled = sum(len(line.strip()) for line in lines[compiled - 1:])  # with its decorator
-    assert chars <= 68_910 and method <= 37_200 and compiled <= 9_000, (chars, method, compiled)
+    assert chars <= 67_000 and method <= 36_000 and compiled <= 9_000, (chars, method, compiled)
     for path in [Path(qurl.__file__), Path(__file__), *sorted((HERE / "tools").glob("*.py"))]:
         wide = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if len(line) > 100]
         assert not wide, (path.name, wide)
