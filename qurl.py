@@ -271,7 +271,7 @@ class QuantLinear(nn.Module):
             self.kernel = "scaled_mm"
         self.register_buffer("weight_q", None)
         self.register_buffer("weight_scale", None)
-        self.register_buffer("weight_deq", None, persistent=False)  # CPU: the values
+        self.register_buffer("weight_deq", None, persistent=False)  # CPU: values
         self.register_buffer("bias", None)
         if linear.bias is not None:
             self.bias = linear.bias.detach().clone()
@@ -355,7 +355,7 @@ def make_sampler(actor, quant: str, dtype):
         return copy.deepcopy(actor, memo).eval()
 
     sampler = quantized_copy(actor, quant)
-    head = sampler.get_output_embeddings()  # its own weight, even if the actor ties it
+    head = sampler.get_output_embeddings()  # its own weight even if the actor ties it
     head.weight = nn.Parameter(head.weight.detach().to(dtype), requires_grad=False)
     return sampler
 
@@ -403,7 +403,7 @@ def invariant_rescale(model, s: float):
 def fake_quant(x: Tensor, fmt: str) -> Tensor:
     """Quantize-dequantize in the sampler's format: the value quantized, the gradient identity."""
     x2 = x if fmt == "nf4" else x.reshape(-1, x.shape[-1])  # W8A8: a row per token
-    shift = int8_shift(x2) if fmt == "int8" else 1.0  # as the sampler meets overflow
+    shift = int8_shift(x2) if fmt == "int8" else 1.0  # as the sampler handles overflow
     values = dequantize(*quantize(x2 / shift, fmt), fmt) * shift
     return x + (values.reshape(x.shape).to(x.dtype) - x).detach()
 
@@ -489,7 +489,7 @@ def _prefill(model, tokenizer, input_ids: Tensor, attention_mask: Tensor):
                    use_cache=True, logits_to_keep=1, **{keyword: cache}).logits[:, -1]  # (b, V)
     if cache.get_seq_length() != input_ids.shape[1]:
         import transformers
-        raise RuntimeError(f"sample: the model did not fill the KV cache (transformers "
+        raise RuntimeError(f"the model did not fill the KV cache (transformers "
                            f"{transformers.__version__}; tested: 4.57 to 5.25)")
 
     stop_ids = torch.tensor(stop_token_ids(model, tokenizer), device=input_ids.device)
@@ -522,7 +522,7 @@ def decode(model, tokenizer, input_ids: Tensor, prompt_mask: Tensor, n: int, max
     logits, cache, cache_kwarg, stop_ids = _prefill(model, tokenizer, input_ids, prompt_mask)
     cache.batch_repeat_interleave(n)  # rows i n .. i n + n - 1: prompt i's samples
     logits = logits.repeat_interleave(n, 0)  # (B, V)
-    attention_mask = prompt_mask.repeat_interleave(n, 0)  # (B, P), a column more a token
+    attention_mask = prompt_mask.repeat_interleave(n, 0)  # (B, P), then a column a token
     position = attention_mask.sum(-1)  # (B,): the next RoPE position
 
     tokens = torch.full((B, max_new_tokens), pad, device=device)  # (B, R) by output row
@@ -579,7 +579,7 @@ def _finish(tokenizer, input_ids, prompt_mask, n, tokens, logp_behav, end) -> Ro
 # ==================== THE METHOD, 4: teacher-forced log-probs
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
                    temperature: float = 1.0, micro_batch: int = 64) -> Tensor:
-    """(B, R) log-probs of the last R tokens of (B, P + R) rows, log_softmax(logits / T), in
+    """(B, R) log-probs of the last R tokens of (B, P + R) rows under log_softmax(logits / T), in
     micro-batches."""
     R = response_mask.shape[1]
     if temperature <= 0:  # greedy rollouts are scored at T = 1
@@ -616,7 +616,7 @@ def k3(log_ratio: Tensor) -> Tensor:
 
 
 def group_advantages(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
-    """GRPO: A_i = (reward_i - mean) / (std + 1e-6) over groups of consecutive rows (unbiased std,
+    """GRPO: A_i = (reward_i - mean) / (std + 1e-6) in groups of consecutive rows (unbiased std,
     as TRL); has_signal: False where a group's rewards are equal."""
     grouped = rewards.float().view(-1, group_size)
     std = grouped.std(dim=1, keepdim=True)
@@ -629,8 +629,8 @@ def token_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor,
                kind: str, eps_low: float, eps_high: float, is_cap: float,
                denom: Tensor | float | None = None) -> tuple[Tensor, dict]:
     """Token objectives over (B, R) log-probs, (B,) adv, (B, R) mask: naive clips pi_theta /
-    pi_behav; tis clips pi_theta / pi_prox, weighted by w; acr widens the upper bound where w is
-    cut. The mask's mean (DAPO) or sum / `denom`."""
+    pi_behav; tis clips pi_theta / pi_prox, weighted by w = min(pi_prox / pi_behav, C); acr widens
+    the upper bound where w is cut. The mask's mean (DAPO) or sum / `denom`."""
     logp_prox, logp_behav = logp_prox.detach(), logp_behav.detach()
     adv = adv.detach().to(logp.dtype)[:, None]  # a token takes its sequence's advantage
     mask = mask.to(logp.dtype)
@@ -773,7 +773,7 @@ def train_step(learner, args, problems: list[dict], step: int) -> dict:
              "adv": adv.to(device)}
 
     fmt = args.quant if args.align_forward else None  # 4. pi_prox and the update
-    dtype = HALF.get(fmt, learner.dtype)  # aligned to a bf16/fp16 copy: autocast in its dtype
+    dtype = HALF.get(fmt, learner.dtype)  # aligned to a half copy: autocast in its dtype
     with autocast(device, dtype), rollout_aligned(learner.actor, fmt):
         logp_prox = rollout.logp_behav.clone()  # (B, R); aligned: pi_prox = pi_behav
         if not (has_signal.all() or args.align_forward):  # pi_prox for mismatch/* alone
@@ -886,7 +886,7 @@ def backward_mini_batch(learner, args, mini: dict, logp_prox: Tensor | None,
         proxes.append(prox)
 
     logp, prox = torch.cat(logps), torch.cat(proxes)  # (b, R) each
-    if args.loss == "tbpo":  # TBPO's denominator: the sequences in band
+    if args.loss == "tbpo":  # the denominator: sequences in band
         denom = tbpo_ratio(logp, prox, mini["adv"], mask, args.tbpo_band)[1].sum().clamp(min=1)
         for param in learner.actor.parameters():
             if param.grad is not None:
