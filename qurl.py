@@ -732,7 +732,7 @@ def autocast(device, dtype):
 
 
 def rollout_autocast(quant: str, device, dtype):
-    """A bf16 or fp16 copy decodes in its dtype, autocast off; other samplers as the actor."""
+    """A half copy (bf16, fp16) decodes in its dtype, autocast off; others as the actor."""
     if quant in HALF:
         return torch.autocast(device.type, enabled=False)
     return autocast(device, dtype)
@@ -857,15 +857,16 @@ def _batches(n_rows: int, n_parts: int) -> list[slice]:
 
 def backward_mini_batch(learner, args, mini: dict, logp_prox: Tensor | None,
                         value: Tensor | None = None) -> tuple[dict, bool, Tensor]:
-    """A mini-batch's gradient over micro-batches, each loss over the mini-batch's denominator:
-    the one-pass gradient at a micro-batch's memory. logp_prox None: the forward's own; `value`:
-    logp's value (the forward's gradient). Returns (metrics, all finite, (b, R) logp detached)."""
+    """A mini-batch's gradient over micro-batches, each loss over the mini-batch's denominator
+    (TBPO's, known after the forwards, divides the gradient: zero it first): the one-pass
+    gradient at a micro-batch's memory. logp_prox None: the forward's own; `value`: logp's value
+    (the forward's gradient). Returns (metrics, all finite, (b, R) logp detached)."""
     mask = mini["response_mask"]  # (b, R)
     micro_batches = [slice(i, i + args.micro_batch) for i in range(0, len(mask), args.micro_batch)]
     loss_fn = functools.partial(token_loss, kind=args.loss, eps_low=args.eps_low,
                                 eps_high=args.eps_high, is_cap=args.is_cap)
     denom = mask.sum().clamp(min=1.0)  # token losses: the mini-batch's tokens
-    if args.loss == "tbpo":  # sums: the in-band count is known after the forwards
+    if args.loss == "tbpo":
         denom = 1.0
         loss_fn = functools.partial(tbpo_loss, is_cap=args.is_cap, tbpo_band=args.tbpo_band)
 
@@ -886,7 +887,7 @@ def backward_mini_batch(learner, args, mini: dict, logp_prox: Tensor | None,
         proxes.append(prox)
 
     logp, prox = torch.cat(logps), torch.cat(proxes)  # (b, R) each
-    if args.loss == "tbpo":  # the denominator: sequences in band
+    if args.loss == "tbpo":  # the sequences in band
         denom = tbpo_ratio(logp, prox, mini["adv"], mask, args.tbpo_band)[1].sum().clamp(min=1)
         for param in learner.actor.parameters():
             if param.grad is not None:
