@@ -279,14 +279,16 @@ class QuantLinear(nn.Module):
         self.load_weight(linear.weight)
 
     @torch.no_grad()
-    def load_weight(self, weight: Tensor, bias: Tensor | None = None) -> int:
-        """Re-quantize in place; returns how many codes changed."""
+    def load_weight(self, weight: Tensor, bias: Tensor | None = None,
+                    before: Tensor | None = None) -> int:
+        """Re-quantize in place; returns how many codes differ from `before` (default: its own)."""
         codes, scale, state = quantize(weight, self.fmt)
         changed = weight.numel()
         if self.weight_q is None:
             self.weight_q, self.weight_scale, self.nf4_state = codes, scale, state
         else:
-            diff = self.weight_q.view(torch.uint8) ^ codes.view(torch.uint8)
+            before = self.weight_q if before is None else before
+            diff = before.view(torch.uint8) ^ codes.view(torch.uint8)
             if self.fmt == "nf4":  # two 4-bit codes a byte
                 diff = torch.stack([diff & 0x0F, diff & 0xF0])
             changed = int((diff != 0).sum())
@@ -361,25 +363,34 @@ def make_sampler(actor, quant: str, dtype):
 
 
 @torch.no_grad()
-def sync_weights(sampler, actor) -> float:
+def sync_weights(sampler, actor, codes: dict | None = None) -> float:
     """sampler <- actor in place (QuantLinears re-quantized). Returns the flip rate, the share of
-    codes (half copies: values) changed: QuRL's weight-update problem."""
+    codes (half copies: values) that differ from `codes` (`sampler_codes`; default: the sampler's
+    before the sync): QuRL's weight-update problem."""
     if sampler is actor:
         return 0.0
     actor_modules = dict(actor.named_modules())
     changed = total = 0
     for name, module in decoder_linears(sampler):
-        source = actor_modules[name]
+        source, before = actor_modules[name], (codes or {}).get(name)
         if isinstance(module, QuantLinear):
-            changed += module.load_weight(source.weight, source.bias)
+            changed += module.load_weight(source.weight, source.bias, before)
         else:  # a half copy: its codes are its values
-            changed += int((module.weight != source.weight.to(module.weight.dtype)).sum())
+            before = module.weight if before is None else before
+            changed += int((before != source.weight.to(before.dtype)).sum())
         total += source.weight.numel()
 
     actor_params = dict(actor.named_parameters(remove_duplicate=False))  # lm_head may be untied
     for name, param in sampler.named_parameters():
         param.copy_(actor_params[name])
     return changed / max(total, 1)
+
+
+def sampler_codes(sampler) -> dict:
+    """A copy of the sampler's codes (half copies: values), a later flip rate's reference: a byte
+    a weight (NF4: half)."""
+    return {name: (module.weight_q if isinstance(module, QuantLinear) else module.weight).clone()
+            for name, module in decoder_linears(sampler)}
 
 
 @torch.no_grad()
@@ -445,25 +456,24 @@ class Rollout:
     truncated: Tensor  # (B,): no EOS
 
 
-def _pick(logits: Tensor, temperature: float, noise: Tensor | None,
-          token: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The next token (unless given), its log-prob under p = softmax(logits / T) (no top-k, top-p:
-    the ratio would need them): argmax(p / E), E ~ Exp(1) `noise`, is multinomial's, no sync."""
+def _pick(logits: Tensor, temperature: float, noise: Tensor | float,
+          fed: Tensor) -> tuple[Tensor, Tensor]:
+    """The next token: `fed` where it is >= 0 (a fed decode), else drawn as argmax(p / E), E ~
+    Exp(1) `noise` (multinomial's own draw, no host sync); its log-prob under p = softmax(logits /
+    T) (no top-k, top-p: the ratio would need them)."""
     if temperature == 0:  # greedy; the log-prob is reported at T = 1
         log_probs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
-        if token is None:
-            token = log_probs.argmax(dim=-1)
+        token = torch.where(fed >= 0, fed, log_probs.argmax(dim=-1))
         return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
-    if token is None:
-        token = probs.div(noise).argmax(dim=-1)
+    token = torch.where(fed >= 0, fed, probs.div(noise).argmax(dim=-1))
     return token, probs.gather(-1, token[:, None]).log().squeeze(-1)
 
 
-def _advance(logits, temperature, noise, done, end, t, stop_ids, pad, token=None):
+def _advance(logits, temperature, noise, fed, done, end, t, stop_ids, pad):
     """Token t in both decodes: the tokens (padding after a row's end), their log-probs; a row's
     first stop token sets its `end` to t and `done`."""
-    token, logp_behav = _pick(logits, temperature, noise, token)
+    token, logp_behav = _pick(logits, temperature, noise, fed)
     token = torch.where(done, pad, token)
     finished = torch.isin(token, stop_ids) & ~done
     return token, logp_behav, torch.where(finished, t, end), done | finished
@@ -517,7 +527,7 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
 def decode(model, tokenizer, input_ids: Tensor, prompt_mask: Tensor, n: int, max_new_tokens: int,
            temperature: float, generator=None, forced: Tensor | None = None) -> Rollout:
     """(b, P) prompts decoded n times each: prefilled once, finished rows leaving when a quarter
-    are done, RoPE positions from the mask. `forced` (B, R): tokens fed, not drawn."""
+    are done, RoPE positions from the mask. `forced` (B, <= R): tokens fed, not drawn."""
     device, B, pad = input_ids.device, len(input_ids) * n, tokenizer.pad_token_id
     logits, cache, cache_kwarg, stop_ids = _prefill(model, tokenizer, input_ids, prompt_mask)
     cache.batch_repeat_interleave(n)  # rows i n .. i n + n - 1: prompt i's samples
@@ -526,18 +536,17 @@ def decode(model, tokenizer, input_ids: Tensor, prompt_mask: Tensor, n: int, max
     position = attention_mask.sum(-1)  # (B,): the next RoPE position
 
     tokens = torch.full((B, max_new_tokens), pad, device=device)  # (B, R) by output row
+    fed = _fed(forced, B, max_new_tokens, pad, device)
     logp_behav = torch.zeros(B, max_new_tokens, device=device)
     end = torch.full((B,), max_new_tokens, device=device)  # the first EOS's index
     out_rows = torch.arange(B, device=device)  # batch row -> output row
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    noise = fed = None  # fed: token t when forced
+    noise = 1.0  # a fed decode draws nothing
     for t in range(max_new_tokens):
         if forced is None:
             noise = torch.empty_like(logits, dtype=torch.float).exponential_(generator=generator)
-        else:
-            fed = forced[out_rows, t]
         token, logp_behav[out_rows, t], end[out_rows], done = _advance(
-            logits, temperature, noise, done, end[out_rows], t, stop_ids, pad, fed)  # (b,) each
+            logits, temperature, noise, fed[out_rows, t], done, end[out_rows], t, stop_ids, pad)
         tokens[out_rows, t] = token
         if t == max_new_tokens - 1:
             break
@@ -558,6 +567,13 @@ def decode(model, tokenizer, input_ids: Tensor, prompt_mask: Tensor, n: int, max
         position = position + 1
     R = t + 1
     return _finish(tokenizer, input_ids, prompt_mask, n, tokens[:, :R], logp_behav[:, :R], end)
+
+
+def _fed(forced: Tensor | None, B: int, R: int, pad: int, device) -> Tensor:
+    """(B, R) tokens a decode is fed, padded (a rollout stops early); -1: none, draw."""
+    if forced is None:
+        return torch.full((B, R), -1, device=device)
+    return F.pad(forced, (0, R - forced.shape[1]), value=pad)
 
 
 def _finish(tokenizer, input_ids, prompt_mask, n, tokens, logp_behav, end) -> Rollout:
@@ -723,7 +739,7 @@ class Learner:
     tokenizer: object
     generator: torch.Generator  # the sampler's random numbers
     dtype: torch.dtype  # the compute dtype
-    resynced: nn.Module | None = None  # `decoded_value`'s sampler
+    rollout_codes: dict | None = None  # aligned: the sampler's codes at the rollout (flip rate)
 
 
 def autocast(device, dtype):
@@ -753,7 +769,8 @@ def train_step(learner, args, problems: list[dict], step: int) -> dict:
     """One RL step: sync, rollout, rewards, advantages, pi_prox, update. Returns its metrics."""
     start = time.time()
     G, device = args.group_size, learner.generator.device
-    flip_rate = sync_weights(learner.sampler, learner.actor)  # 1. the sampler <- the actor
+    flip_rate = sync_weights(learner.sampler, learner.actor, learner.rollout_codes)  # 1. sync
+    learner.rollout_codes = None
 
     prompts = [format_prompt(p["question"], learner.tokenizer) for p in problems]  # 2. rollout
     generate = compiled_sample if args.compile else sample
@@ -770,17 +787,17 @@ def train_step(learner, args, problems: list[dict], step: int) -> dict:
     has_signal = has_signal.to(device)
     batch = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
              "response_mask": rollout.response_mask, "logp_behav": rollout.logp_behav,
-             "adv": adv.to(device)}
+             "adv": adv.to(device), "row": torch.arange(len(adv), device=device)}
 
     fmt = args.quant if args.align_forward else None  # 4. pi_prox and the update
-    dtype = HALF.get(fmt, learner.dtype)  # aligned to a half copy: autocast in its dtype
-    with autocast(device, dtype), rollout_aligned(learner.actor, fmt):
+    with autocast(device, learner.dtype), rollout_aligned(learner.actor, fmt):
         logp_prox = rollout.logp_behav.clone()  # (B, R); aligned: pi_prox = pi_behav
         if not (has_signal.all() or args.align_forward):  # pi_prox for mismatch/* alone
             with torch.no_grad():
                 no_signal = select(batch, ~has_signal)
                 logp_prox[~has_signal] = batch_logprobs(learner.actor, no_signal, args)
-        update_metrics, logp_prox[has_signal] = update(learner, args, select(batch, has_signal))
+        update_metrics, logp_prox[has_signal] = update(learner, args, select(batch, has_signal),
+                                                       rollout)
 
     n_tokens = float(rollout.response_mask.sum())
     step_s = time.time() - start
@@ -794,10 +811,10 @@ def train_step(learner, args, problems: list[dict], step: int) -> dict:
             "perf/step_s": step_s, "perf/rollout_frac": rollout_s / max(step_s, 1e-9)}
 
 
-def update(learner, args, batch: dict) -> tuple[dict, Tensor]:
-    """--ppo-epochs passes of --mini-batches optimizer steps. Returns the mean metrics and pi_prox
-    (B, R), the actor's before any step: the first mini-batch's forward detached, a no-grad
-    forward the rest (aligned: pi_behav)."""
+def update(learner, args, batch: dict, rollout: Rollout | None = None) -> tuple[dict, Tensor]:
+    """--ppo-epochs passes of --mini-batches optimizer steps over some rows of `rollout` (`row`).
+    Returns the mean metrics and pi_prox (B, R), the actor's before any step: the first
+    mini-batch's forward detached, a no-grad forward the rest (aligned: pi_behav)."""
     mini_batches = _batches(len(batch["input_ids"]), args.mini_batches)
     logp_prox = batch["logp_behav"].clone()  # (B, R)
     if len(mini_batches) > 1 and not args.align_forward:
@@ -805,15 +822,16 @@ def update(learner, args, batch: dict) -> tuple[dict, Tensor]:
         with torch.no_grad():
             logp_prox[later] = batch_logprobs(learner.actor, select(batch, later), args)
 
+    logp_sampler = batch["logp_behav"]  # aligned: the sampler's log-probs at the actor's weights
     logs, skipped = [], 0
+    learner.optimizer.zero_grad()  # each mini-batch's gradient alone (then freed after its step)
     for epoch in range(args.ppo_epochs):
         for rows in mini_batches:
             mini, first = select(batch, rows), epoch == 0 and rows == mini_batches[0]
             prox = None if first and not args.align_forward else logp_prox[rows]  # None: its own
-            value = None  # aligned: the sampler's, as it sampled, then re-synced
-            if args.align_forward:
-                value = mini["logp_behav"] if first else decoded_value(learner, args, mini)
-            learner.optimizer.zero_grad()
+            if args.align_forward and not first:  # the actor moved: the sampler's decode again
+                logp_sampler = sampler_logprobs(learner, args, rollout)[batch["row"]]
+            value = logp_sampler[rows] if args.align_forward else None
             metrics, finite, logp = backward_mini_batch(learner, args, mini, prox, value)
             if prox is None:
                 logp_prox[rows] = logp
@@ -835,18 +853,22 @@ def update(learner, args, batch: dict) -> tuple[dict, Tensor]:
 
 
 @torch.no_grad()
-def decoded_value(learner, args, mini: dict) -> Tensor:
-    """The aligned value after an optimizer step: the sampled tokens' (b, R) log-probs decoded
-    teacher-forced by a second sampler synced to the actor (the rollout's keeps its codes)."""
-    if learner.resynced is None:
-        learner.resynced = make_sampler(learner.actor, args.quant, learner.dtype)
-    sync_weights(learner.resynced, learner.actor)
-    R = mini["response_mask"].shape[1]
+def sampler_logprobs(learner, args, rollout: Rollout) -> Tensor:
+    """The sampler's (B, R) log-probs of the rollout's tokens at the actor's weights now: the
+    sampler re-synced in place and the rollout's own decode run again (the same rows, the same
+    path, compiled too) fed its tokens. Only that decode computes the rollout's numbers: a GEMM
+    rounds by how many rows share it, and per-token activation codes turn a last bit into a code
+    step."""
+    if learner.rollout_codes is None:  # the next flip rate counts from the rollout's codes
+        learner.rollout_codes = sampler_codes(learner.sampler)
+    sync_weights(learner.sampler, learner.actor)
+    G, P = args.group_size, rollout.prompt_len
+    decode_fed = compiled_decode if args.compile else decode
     with rollout_autocast(args.quant, learner.generator.device, learner.dtype):
-        rollout = decode(learner.resynced, learner.tokenizer, mini["input_ids"][:, :-R],
-                         mini["attention_mask"][:, :-R], 1, R, args.temperature,
-                         forced=mini["input_ids"][:, -R:])
-    return F.pad(rollout.logp_behav, (0, R - rollout.logp_behav.shape[1]))  # rows end early
+        fed = decode_fed(learner.sampler, learner.tokenizer, rollout.input_ids[::G, :P],
+                         rollout.attention_mask[::G, :P], G, args.max_new_tokens,
+                         args.temperature, forced=rollout.input_ids[:, P:])
+    return fed.logp_behav
 
 
 def _batches(n_rows: int, n_parts: int) -> list[slice]:
@@ -1036,6 +1058,7 @@ def save_checkpoint(learner, run):
     ckpt = {"step": run.step, "data_pos": run.data_pos, "skipped": run.skipped,
             "first_eval": run.first_eval, "actor": learner.actor.state_dict(),
             "optimizer": learner.optimizer.state_dict(), "sampler": sampler,  # its codes: flips
+            "rollout_codes": learner.rollout_codes,
             "rng": (random.getstate(), torch.get_rng_state(), learner.generator.get_state())}
     torch.save(ckpt, run.dir / "ckpt.pt.tmp")
     os.replace(run.dir / "ckpt.pt.tmp", run.dir / "ckpt.pt")
@@ -1110,6 +1133,7 @@ def resume_from(learner, run, ckpt):
     learner.optimizer.load_state_dict(ckpt["optimizer"])
     if ckpt["sampler"] is not None:
         learner.sampler.load_state_dict(ckpt["sampler"])
+    learner.rollout_codes = ckpt.get("rollout_codes")
     run.step, run.data_pos, run.skipped = ckpt["step"], ckpt["data_pos"], ckpt["skipped"]
     run.first_eval = ckpt["first_eval"]
     random.setstate(ckpt["rng"][0])
@@ -1327,22 +1351,33 @@ FUSED = weakref.WeakKeyDictionary()  # decoder layer -> (qkv_proj, gate_up_proj)
 def compiled_sample(model, tokenizer, prompts, n=1, max_new_tokens=64, temperature=1.0,
                     generator=None) -> Rollout:
     """`sample` by compiled layers, ~10 kernels a layer, not ~50 (on a GPU a CUDA graph a token):
-    its tokens, log-probs up to float sums; else `sample`, said once."""
+    its tokens, log-probs up to float sums."""
     input_ids, prompt_mask = encode(tokenizer, prompts, model.device, 64)  # few shapes
+    return compiled_decode(model, tokenizer, input_ids, prompt_mask, n, max_new_tokens,
+                           temperature, generator)
+
+
+@torch.no_grad()
+def compiled_decode(model, tokenizer, input_ids, prompt_mask, n, max_new_tokens, temperature,
+                    generator=None, forced=None) -> Rollout:
+    """`decode` by a `StaticDecoder` of these shapes (fed `forced`: the same graphs); else
+    `decode`, said once."""
     decoders = DECODERS.setdefault(model, {})
-    key = (len(prompts) * n, input_ids.shape[1], max_new_tokens, temperature)
+    key = (len(input_ids) * n, input_ids.shape[1], max_new_tokens, temperature)
     try:
         if None not in decoders.values():
             if key not in decoders:
                 decoders[key] = StaticDecoder(model, tokenizer, *key)
             with torch._dynamo.config.patch(recompile_limit=64):  # 2 graphs a decoder
-                outputs = decoders[key].decode(model, input_ids, prompt_mask, n, generator)
+                outputs = decoders[key].generate(model, input_ids, prompt_mask, n, generator,
+                                                 forced)
             return _finish(tokenizer, input_ids, prompt_mask, n, *outputs)
     except Exception as e:
         decoders[key] = None
         reason = " ".join(str(e).split())  # one line
         warnings.warn(f"--compile: decoding eagerly ({type(e).__name__}: {reason:.100})")
-    return sample(model, tokenizer, prompts, n, max_new_tokens, temperature, generator)
+    return decode(model, tokenizer, input_ids, prompt_mask, n, max_new_tokens, temperature,
+                  generator, forced)
 
 
 @torch.no_grad()
@@ -1396,43 +1431,45 @@ class StaticDecoder:
                                      options={"emulate_precision_casts": True})  # eager rounding
         self.layer, self.embed, self.draw = map(compiled, (decoder_layer, self.embed, self.draw))
 
-    def decode(self, model, input_ids, prompt_mask, n, generator):
-        """`sample`'s (B, R) tokens, log-probs, (B,) first EOS of (b, P) prompts, n each."""
+    def generate(self, model, input_ids, prompt_mask, n, generator, forced=None):
+        """`decode`'s (B, R) tokens, log-probs, (B,) first EOS of (b, P) prompts, n each."""
         tokens = torch.zeros_like(self.valid[:, self.prompt_len:], dtype=torch.long)  # (B, R)
         logp = torch.zeros_like(tokens, dtype=torch.float)
         end = torch.full_like(tokens[:, 0], tokens.shape[1])  # (B,) no EOS
         done = torch.zeros_like(end, dtype=torch.bool)
+        fed = _fed(forced, *tokens.shape, self.pad, tokens.device)
         self.valid[:, :self.prompt_len] = prompt_mask.repeat_interleave(n, 0).bool()
         column = torch.full((1,), self.prompt_len, device=input_ids.device)  # next token's
 
         for t in range(tokens.shape[1]):
             if t % SYNC_EVERY == 0 and bool(done.all()):
                 return tokens[:, :t], logp[:, :t], end
-            if self.temperature:
+            if self.temperature and forced is None:
                 self.noise.exponential_(generator=generator)
             if t == 0:
-                token, logp[:, t], end, done = self.prefill(model, input_ids, n, end, done)
+                token, logp[:, t], end, done = self.prefill(model, input_ids, n, fed[:, t], end,
+                                                            done)
             else:
-                self.replay = self.replay or graphed(self.decode_one_token, model, token, column,
-                                                     end, done)
-                token, logp[:, t], end, done = self.replay(model, token, column, end, done)
+                inputs = (token, column, fed[:, t], end, done)
+                self.replay = self.replay or graphed(self.decode_one_token, model, *inputs)
+                token, logp[:, t], end, done = self.replay(model, *inputs)
                 column = column + 1
             tokens[:, t] = token
         return tokens, logp, end
 
-    def prefill(self, model, input_ids, n, end, done):
+    def prefill(self, model, input_ids, n, fed, end, done):
         """The prompts' K, V into the first of their n rows, copied; the first tokens drawn."""
         columns = torch.arange(self.prompt_len, device=input_ids.device)  # (P,)
         x = self.forward(model, input_ids, columns, slice(None, None, n))
         for kv in (self.k_cache, self.v_cache):
             groups = kv[..., :self.prompt_len, :].unflatten(1, (-1, n))  # (N_layers, b, n, ..)
             groups[:, :, 1:] = groups[:, :, :1]
-        return self.draw(model, x.repeat_interleave(n, 0), columns[-1:], end, done)
+        return self.draw(model, x.repeat_interleave(n, 0), columns[-1:], fed, end, done)
 
-    def decode_one_token(self, model, token, column, end, done):
+    def decode_one_token(self, model, token, column, fed, end, done):
         """(B,) tokens at cache `column` (1,) to the next ones (`draw`)."""
         x = self.forward(model, token[:, None], column)
-        return self.draw(model, x, column, end, done)
+        return self.draw(model, x, column, fed, end, done)
 
     def forward(self, model, ids, columns, rows=slice(None)):
         """(b, S) tokens at cache `columns` through the layers (K, V into the cache's `rows`):
@@ -1451,11 +1488,11 @@ class StaticDecoder:
         cos, sin = (table[earlier.sum(-1)] for table in self.rope)  # position: tokens before
         return model.model.embed_tokens(ids), cos, sin, visible[:, None]
 
-    def draw(self, model, x, column, end, done):
+    def draw(self, model, x, column, fed, end, done):
         """The last layer's (B, hidden) output to the next tokens (`_advance`)."""
         logits = model.lm_head(model.model.norm(x))  # (B, V)
         t = column + 1 - self.prompt_len  # the index of the token drawn
-        return _advance(logits, self.temperature, self.noise, done, end, t, self.stop_ids,
+        return _advance(logits, self.temperature, self.noise, fed, done, end, t, self.stop_ids,
                         self.pad)
 
 

@@ -737,36 +737,151 @@ def test_decode_teacher_forced_on_its_own_tokens_reproduces_logp_behav(wide, pro
                                                                       ro.logp_behav)
 
 
-def test_aligned_value_after_an_optimizer_step_is_a_resynced_samplers_decode(tiny, problems,
-                                                                            monkeypatch):
-    """`decoded_value` under --align-forward --mini-batches 2: the first mini-batch's value is
-    logp_behav, the second's (after an optimizer step) the teacher-forced decode of a sampler
-    made from the new weights; the rollout's sampler keeps its codes (the next flip rate counts
-    from them)."""
+@pytest.fixture(scope="module")
+def wide_head(wide):
+    """`wide` with a 16,384-token head (ids past the tiny tokenizer's decode to nothing): its
+    lm_head's GEMM, like a real vocabulary's, rounds by how many rows share it on a CPU."""
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    config = wide[0].config.__class__(**{**wide[0].config.to_dict(), "vocab_size": 16384})
+    return LlamaForCausalLM(config).eval(), wide[1]
+
+
+def _aligned_step(model, tok, problems, quant, monkeypatch, **kw):
+    """One --align-forward train_step at a learning rate that moves no weight (1e-30), with
+    --mini-batches 2 --ppo-epochs 2 and a reward of 1 for every second sample (every group has
+    signal). Returns each loss call's (logp, logp_behav), whether autocast was on in each
+    training forward, and the rollout."""
+    device = next(model.parameters()).device
+    dtype = kw.pop("dtype", torch.float32)
+    args = qurl.Args(quant=quant, align_forward=True, mini_batches=2, ppo_epochs=2, lr=1e-30,
+                     prompts_per_step=len(problems), group_size=4, max_new_tokens=12, **kw)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    learner = qurl.Learner(model, optimizer, qurl.make_sampler(model, quant, dtype), tok,
+                           torch.Generator(device).manual_seed(0), dtype)
+    rewards = iter([1.0, 0.0] * len(problems) * 2)
+    calls, autocast_on, rollouts = [], [], []
+    plain_loss, plain_logprobs = qurl.token_loss, qurl.token_logprobs
+    plain_generate = qurl.compiled_sample if args.compile else qurl.sample
+
+    def loss(logp, logp_prox, logp_behav, *a, **kw):
+        calls.append((logp.detach().clone(), logp_behav.clone()))
+        return plain_loss(logp, logp_prox, logp_behav, *a, **kw)
+
+    def logprobs(*a, **kw):
+        autocast_on.append(torch.is_autocast_enabled(device.type))
+        return plain_logprobs(*a, **kw)
+    monkeypatch.setattr(qurl, "reward", lambda text, gold: next(rewards))
+    monkeypatch.setattr(qurl, "token_loss", loss)
+    monkeypatch.setattr(qurl, "token_logprobs", logprobs)
+    monkeypatch.setattr(qurl, "compiled_sample" if args.compile else "sample",
+                        lambda *a: rollouts.append(plain_generate(*a)) or rollouts[-1])
+    qurl.train_step(learner, args, problems, 1)
+    return calls, autocast_on, rollouts[0], learner
+
+
+@pytest.mark.parametrize("quant", ["fp8", "int8", "nf4", "bf16", "fp16"])
+def test_aligned_logp_is_logp_behav_at_every_mini_batch(wide_head, problems, quant,
+                                                        monkeypatch):
+    """--align-forward --mini-batches 2 --ppo-epochs 2, no weight moved: every loss call (four
+    mini-batches, three after an optimizer step; each micro-batch's and the metrics') sees logp
+    equal to its rows' logp_behav bit for bit, on a model whose decode of some rows alone rounds
+    apart from the rollout's (a second sampler decoding a mini-batch's rows: up to 2e-2 under
+    FP8, 1e-6 under INT8 and NF4 here). The straight-through forwards run in the compute dtype,
+    fp32 here, never under a half copy's: fp16 would need loss scaling."""
+    import copy
+    model = copy.deepcopy(wide_head[0]).train()
+    calls, autocast_on, _, _ = _aligned_step(model, wide_head[1], problems[:4], quant,
+                                             monkeypatch)
+    assert len(calls) == 8
+    assert [float((logp - behav).abs().max()) for logp, behav in calls] == [0.0] * 8
+    assert all(torch.equal(logp, behav) for logp, behav in calls)
+    assert autocast_on and not any(autocast_on)
+
+
+def test_compiled_aligned_logp_is_logp_behav_at_every_mini_batch(tiny, problems, monkeypatch):
+    """Under --compile, for every --quant: the rollout and the sampler's decode after each
+    optimizer step are one `StaticDecoder`'s graphs (drawing, then fed), so every loss call's
+    logp is logp_behav bit for bit (the eager decode's numbers are not: float sums). Each sampler
+    is copied from an actor whose own decode compiled first (a copy fuses its own q/k/v and
+    gate/up), and its compiled log-probs are its eager decode's fed the same tokens, up to float
+    sums: a copy computing with the actor's fused weights would be as far as the mismatch."""
+    import copy
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    prompts = [qurl.format_prompt(p["question"], tok) for p in problems[:4]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no precision falls back to eager
+        qurl.compiled_sample(model, tok, prompts, 4, 12, 1.0, torch.Generator().manual_seed(0))
+        for quant in ("fp8", "int8", "nf4", "bf16", "fp16"):
+            calls, _, ro, learner = _aligned_step(model, tok, problems[:4], quant, monkeypatch,
+                                                  compile=True)
+            assert len(calls) == 8 and all(torch.equal(logp, behav) for logp, behav in calls)
+            P = ro.prompt_len
+            with qurl.rollout_autocast(quant, torch.device("cpu"), torch.float32):
+                eager = qurl.decode(learner.sampler, tok, ro.input_ids[::4, :P],
+                                    ro.attention_mask[::4, :P], 4, 12, 1.0,
+                                    forced=ro.input_ids[:, P:])
+            diff = (eager.logp_behav - ro.logp_behav).abs()
+            assert 0 < float(diff.max()) < 1e-3, (quant, float(diff.max()))
+
+
+@CUDA
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_aligned_logp_is_logp_behav_at_every_mini_batch(problems, compile, monkeypatch):
+    """On a GPU (bf16 compute, cuBLAS picking kernels by row count), eager and compiled (CUDA
+    graphs, drawing and fed): every loss call's logp is logp_behav bit for bit, every --quant."""
+    model, tok = qurl.load_model(TINY, "cuda", torch.float32)
+    for quant in ("fp8", "int8", "nf4", "bf16", "fp16"):
+        calls, _, _, _ = _aligned_step(model, tok, problems[:4], quant, monkeypatch,
+                                       dtype=torch.bfloat16, compile=compile)
+        assert len(calls) == 8 and all(torch.equal(logp, behav) for logp, behav in calls), quant
+
+
+def test_aligned_update_resyncs_the_rollouts_sampler_and_counts_flips_from_the_rollout(
+        tiny, problems, monkeypatch):
+    """--align-forward --mini-batches 2 at lr 1e-2: the first mini-batch's value is logp_behav;
+    the second's, after an optimizer step, the rollout's decode run again over all its rows, fed
+    its tokens, by the rollout's own sampler re-synced in place (a fresh sampler of the weights
+    after that step gives it bit for bit); no second sampler is made; the next step's flip rate
+    counts the codes changed since the rollout (by hand), not since the re-sync."""
     import copy
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
     sampler = qurl.make_sampler(model, "fp8", torch.float32)
-    ro = qurl.sample(sampler, tok, _mixed_prompts(tok, problems, 4), 4, 12, 1.0,
-                     torch.Generator().manual_seed(0))
     learner = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-2), sampler, tok,
-                           torch.Generator(), torch.float32)
-    args = qurl.Args(quant="fp8", align_forward=True, mini_batches=2, micro_batch=8)
-    values, states, plain = [], [], qurl.backward_mini_batch
+                           torch.Generator().manual_seed(0), torch.float32)
+    args = qurl.Args(quant="fp8", align_forward=True, mini_batches=2, prompts_per_step=4,
+                     group_size=4, max_new_tokens=12)
+    rewards, rollouts = iter([1.0, 0.0] * 8), []
+    values, states, plain_backward, plain_sample = [], [], qurl.backward_mini_batch, qurl.sample
+    monkeypatch.setattr(qurl, "reward", lambda text, gold: next(rewards))
     monkeypatch.setattr(qurl, "backward_mini_batch", lambda *a: (
-        values.append(a[4]), states.append(copy.deepcopy(model.state_dict())), plain(*a))[2])
-    codes = copy.deepcopy(sampler.state_dict())
-    with qurl.rollout_aligned(model, "fp8"):
-        qurl.update(learner, args, _batch(ro, torch.tensor([1.0, -1.0] * 8)))
+        values.append(a[4]), states.append(copy.deepcopy(model.state_dict())),
+        plain_backward(*a))[2])
+    monkeypatch.setattr(qurl, "sample", lambda *a: rollouts.append(plain_sample(*a)) or
+                        rollouts[-1])
+    monkeypatch.setattr(qurl, "make_sampler", None)  # no second sampler
+    at_rollout = {k: v.clone() for k, v in sampler.state_dict().items() if "weight_q" in k}
+    qurl.train_step(learner, args, problems[:4], 1)
+
+    ro, P = rollouts[0], rollouts[0].prompt_len
     assert torch.equal(values[0], ro.logp_behav[:8])
     fresh = copy.deepcopy(tiny[0])
     fresh.load_state_dict(states[1])
-    P, rows = ro.prompt_len, slice(8, 16)
-    want = qurl.decode(qurl.make_sampler(fresh, "fp8", torch.float32), tok,
-                       ro.input_ids[rows, :P], ro.attention_mask[rows, :P], 1, 12, 1.0,
-                       forced=ro.input_ids[rows, P:])
-    assert torch.equal(values[1][:, :want.logp_behav.shape[1]], want.logp_behav)
-    assert not torch.equal(values[1], ro.logp_behav[rows])
-    assert all(torch.equal(codes[k], v) for k, v in sampler.state_dict().items())
+    fresh_sampler = qurl.quantized_copy(fresh, "fp8")
+    want = qurl.decode(fresh_sampler, tok, ro.input_ids[::4, :P], ro.attention_mask[::4, :P], 4,
+                       12, 1.0, forced=ro.input_ids[:, P:])
+    assert torch.equal(values[1], want.logp_behav[8:])
+    assert not torch.equal(values[1], ro.logp_behav[8:])
+    assert all(torch.equal(v, fresh_sampler.state_dict()[k]) for k, v in
+               sampler.state_dict().items() if "weight_q" in k)  # re-synced in place
+
+    final = qurl.quantized_copy(model, "fp8").state_dict()
+    changed = sum(int((final[k].view(torch.uint8) != v.view(torch.uint8)).sum())
+                  for k, v in at_rollout.items())
+    total = sum(v.numel() for v in at_rollout.values())
+    since_resync = qurl.sync_weights(copy.deepcopy(sampler), model)
+    flip_rate = qurl.sync_weights(sampler, model, learner.rollout_codes)
+    assert flip_rate == changed / total and flip_rate > since_resync > 0
 
 
 @pytest.mark.parametrize("quant", ["fp8", "bf16"])
@@ -963,16 +1078,27 @@ def test_same_seed_same_samples(tiny, problems):
 def test_advance_pads_finished_rows_and_ends_each_at_its_first_stop():
     """`_advance`, both decodes' step: greedy picks by hand; a row already done gets the pad token
     and keeps its end; a row that draws a stop token ends there (t) and is done; the others go on;
-    the log-probs are those of the picked tokens."""
+    the log-probs are those of the picked tokens. Fed a token (>= 0) a row takes it, stop or not,
+    with its log-prob under the same distribution; -1 draws."""
     logits = torch.full((4, 6), -5.0)
     logits[torch.arange(4), torch.tensor([2, 5, 5, 3])] = 5.0  # picks 2, 5 (a stop), 5, 3
     done, end = torch.tensor([False, False, True, False]), torch.tensor([9, 9, 1, 9])
-    stop_ids, pad = torch.tensor([4, 5]), 0
-    token, logp, end, done = qurl._advance(logits, 0.0, None, done, end, 3, stop_ids, pad)
-    assert token.tolist() == [2, 5, 0, 3] and end.tolist() == [9, 3, 1, 9]
-    assert done.tolist() == [False, True, True, False]
-    want = torch.log_softmax(logits, -1)[torch.arange(4), torch.tensor([2, 5, 5, 3])]
-    torch.testing.assert_close(logp, want)
+    stop_ids, pad, draw = torch.tensor([4, 5]), 0, torch.full((4,), -1)
+    for T in (0.0, 1.0):
+        token, logp, end_t, done_t = qurl._advance(logits, T, 1.0, draw, done, end, 3, stop_ids,
+                                                   pad)
+        assert token.tolist() == [2, 5, 0, 3] and end_t.tolist() == [9, 3, 1, 9]
+        assert done_t.tolist() == [False, True, True, False]
+        want = torch.log_softmax(logits, -1)[torch.arange(4), torch.tensor([2, 5, 5, 3])]
+        torch.testing.assert_close(logp, want)
+
+        fed = torch.tensor([4, -1, 1, 0])  # row 0 fed a stop token, row 1 draws
+        token, logp, end_t, done_t = qurl._advance(logits, T, 1.0, fed, done, end, 3, stop_ids,
+                                                   pad)
+        assert token.tolist() == [4, 5, 0, 0] and end_t.tolist() == [3, 3, 1, 9]
+        assert done_t.tolist() == [True, True, True, False]
+        want = torch.log_softmax(logits, -1)[torch.arange(4), torch.tensor([4, 5, 0, 0])]
+        torch.testing.assert_close(logp[[0, 1, 3]], want[[0, 1, 3]])
 
 
 def test_pick_draws_what_multinomial_draws():
@@ -983,7 +1109,7 @@ def test_pick_draws_what_multinomial_draws():
         probs = torch.softmax(logits / temperature, -1)
         want = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(5)).squeeze(1)
         noise = torch.empty_like(probs).exponential_(generator=torch.Generator().manual_seed(5))
-        token, logp = qurl._pick(logits, temperature, noise)
+        token, logp = qurl._pick(logits, temperature, noise, torch.full((64,), -1))
         assert torch.equal(token, want)
         torch.testing.assert_close(logp, probs.gather(1, want[:, None]).log().squeeze(1))
 
@@ -1810,11 +1936,11 @@ def _interrupt_then_resume(tmp_path, monkeypatch, name, at_sync, interrupt, kw):
     what the interrupted run raised, its stderr so far and its metric rows."""
     real_sync, calls = qurl.sync_weights, []
 
-    def sync(sampler, actor):
-        calls.append(1)
-        if len(calls) == at_sync:
+    def sync(*a):
+        calls.append(len(a) == 3)  # train_step's sync (an aligned update re-syncs with 2)
+        if sum(calls) == at_sync and calls[-1]:
             interrupt()
-        return real_sync(sampler, actor)
+        return real_sync(*a)
     monkeypatch.setattr(qurl, "sync_weights", sync)
     with pytest.raises((SystemExit, RuntimeError)) as e:
         qurl.train(_small_args(tmp_path, run_name=name, **kw))
@@ -1856,6 +1982,16 @@ def test_resume_after_interrupt_reproduces_metrics(tmp_path, monkeypatch, capsys
     _, rows = _interrupt_then_resume(tmp_path, monkeypatch, "crash", 4, crash, kw)
     assert len(rows) == 3  # steps 1-3 logged, checkpoint at 2
     assert _metrics(tmp_path / "crash/metrics.jsonl") == ref
+
+    # aligned, two mini-batches: the checkpoint keeps the rollout's codes for the next flip rate
+    kw |= dict(steps=4, align_forward=True, mini_batches=2, lr=1e-4)
+    qurl.train(_small_args(tmp_path, run_name="aligned", **kw))
+    stop, rows = _interrupt_then_resume(tmp_path, monkeypatch, "aligned-cut", 3,
+                                        lambda: qurl._request_stop(2, None), kw)
+    assert stop.code == 130 and len(rows) == 3
+    ref = _metrics(tmp_path / "aligned/metrics.jsonl")
+    assert _metrics(tmp_path / "aligned-cut/metrics.jsonl") == ref
+    assert ref[3]["quant/flip_rate"] > 0
 
 
 @pytest.mark.parametrize("damage", ["truncated", "not a checkpoint", "code in the pickle"])
@@ -1980,10 +2116,10 @@ def test_compiled_decode_steps_only_at_cache_columns_it_has(tiny, problems, monk
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
     seen, step = [], qurl.StaticDecoder.decode_one_token
 
-    def checked(self, model, token, column, end, done):
+    def checked(self, model, token, column, fed, end, done):
         seen.append(int(column))
         assert self.prompt_len <= int(column) < self.valid.shape[1] - 1, int(column)
-        return step(self, model, token, column, end, done)
+        return step(self, model, token, column, fed, end, done)
     monkeypatch.setattr(qurl.StaticDecoder, "decode_one_token", checked)
     prompts = _mixed_prompts(tok, problems, 4)
     with warnings.catch_warnings():
@@ -2009,7 +2145,7 @@ def test_cuda_compiled_sampler_matches_eager(problems, quant):
     with qurl.autocast(torch.device("cuda"), torch.float32 if quant == "bf16" else torch.bfloat16):
         eager = qurl.sample(sampler, tok, prompts, 1, 32, 0.0)
         compiled = qurl.compiled_sample(sampler, tok, prompts, 1, 32, 0.0)
-        assert all(d.graph is not None for d in qurl.DECODERS[sampler].values())
+        assert all(d.replay is not None for d in qurl.DECODERS[sampler].values())
         assert sum(a != b for a, b in zip(eager.texts, compiled.texts)) <= 2
         gen = torch.Generator(device="cuda").manual_seed(0)
         ro = qurl.compiled_sample(sampler, tok, prompts, 2, 32, 1.0, gen)

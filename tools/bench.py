@@ -242,9 +242,9 @@ def bench_profile(args: Args, opts) -> list[dict]:
             # the first decode step's inputs, run again and again (it rewrites one cache column)
             long = {"dtype": torch.long, "device": device}
             column = torch.full((1,), decoder.prompt_len, **long)
-            inputs = (torch.zeros(batch, **long), column.expand(batch).clone(), column,
+            inputs = (torch.zeros(batch, **long), column, torch.full((batch,), -1, **long),
                       torch.full((batch,), args.max_new_tokens, **long),
-                      torch.zeros(batch, dtype=torch.bool, device=device))
+                      torch.zeros(batch, dtype=torch.bool, device=device))  # token .. done
             decoder.decode_one_token(sampler, *inputs)
             _sync(device)
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

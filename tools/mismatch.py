@@ -104,9 +104,9 @@ def sample_recording(sampler, tokenizer, prompts, n, max_new_tokens, generator, 
     decode step (the decode drops finished rows from its batch)."""
     steps, real_pick = [], qurl._pick
 
-    def pick(logits, temperature, noise, token=None):
+    def pick(logits, temperature, noise, fed):
         steps.append(torch.log_softmax(logits.double() / temperature, dim=-1))
-        return real_pick(logits, temperature, noise, token)
+        return real_pick(logits, temperature, noise, fed)
     qurl._pick = pick
     try:
         input_ids, prompt_mask = qurl.encode(tokenizer, prompts, "cpu")
