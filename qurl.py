@@ -1,12 +1,12 @@
 """qurl: quantized-rollout reinforcement learning for LLM reasoning, in one file.
 
-QuRL (arXiv 2602.13953) samples RL rollouts with a quantized copy of the model (the *sampler*:
-W8A8 FP8 or INT8, W4A16 NF4, refreshed every step) and trains the fp32 model (the *actor*), as
+QuRL (arXiv 2602.13953) draws RL rollouts from a quantized copy of the model (the *sampler*:
+W8A8 FP8 or INT8, W4A16 NF4, re-synced every step) and trains the fp32 model (the *actor*), as
 QaRL (arXiv 2604.07853) does. The tokens are then off-policy, so the loss knows three policies:
 
-    logp_behav  pi_behav  the sampler that drew the tokens      (recorded by `sample`)
-    logp_prox   pi_prox   the actor before this step's update   (`token_logprobs`, no grad)
-    logp        pi_theta  the actor being trained               (`token_logprobs`, with grad)
+    logp_behav  pi_behav  the sampler that drew the tokens     (`sample`, as it draws)
+    logp_prox   pi_prox   the actor before this step's update  (`update`; aligned: logp_behav)
+    logp        pi_theta  the actor being trained              (`token_logprobs`, with grad)
 
 Where each equation lives:
     group_advantages     GRPO: A_i = (reward_i - mean) / (std + 1e-6) within a group
@@ -18,7 +18,7 @@ Where each equation lives:
     QuantLinear          the sampler's FP8 / INT8 / NF4 linear (fp8_matmul: its FP8 kernel)
     sync_weights         the weight sync; its flip rate (QuRL's weight-update problem)
     invariant_rescale    W x = (W / s)(s x) (QuRL Eq. 11-12)
-    aligned_linear       QaRL's rollout-aligned forward (decoded_value: its value, departure 6)
+    aligned_linear       QaRL's rollout-aligned forward (departure 6)
     train_step, update   one RL step: rollout, pi_prox, PPO epochs
 
 Where qurl departs from the papers, and why:
@@ -30,8 +30,8 @@ Where qurl departs from the papers, and why:
        its mismatch is its quantizer's; an engine holds them in bf16.
     4. Groups whose rewards are all equal leave the update; the learning rate decays (cosine).
     5. Evaluation is greedy, of the actor (the model trained and saved).
-    6. --align-forward takes log pi_theta's value from the sampler's own decode (logp_behav, then
-       `decoded_value`), only its gradient from QaRL's straight-through forward: no full forward
+    6. --align-forward: logp's value is the sampler's (logp_behav; after an optimizer step,
+       `sampler_logprobs`), only its gradient QaRL's straight-through forward's: no full forward
        computes a W8A8 decode's numbers. So pi_prox = pi_behav bit for bit.
 Run: python qurl.py --quant fp8 (README.md: a real Qwen on one GPU). Tests: python -m pytest -q
 """
@@ -279,16 +279,14 @@ class QuantLinear(nn.Module):
         self.load_weight(linear.weight)
 
     @torch.no_grad()
-    def load_weight(self, weight: Tensor, bias: Tensor | None = None,
-                    before: Tensor | None = None) -> int:
-        """Re-quantize in place; returns how many codes differ from `before` (default: its own)."""
+    def load_weight(self, weight: Tensor, bias: Tensor | None = None) -> int:
+        """Re-quantize in place; returns how many codes changed."""
         codes, scale, state = quantize(weight, self.fmt)
         changed = weight.numel()
         if self.weight_q is None:
             self.weight_q, self.weight_scale, self.nf4_state = codes, scale, state
         else:
-            before = self.weight_q if before is None else before
-            diff = before.view(torch.uint8) ^ codes.view(torch.uint8)
+            diff = self.weight_q.view(torch.uint8) ^ codes.view(torch.uint8)
             if self.fmt == "nf4":  # two 4-bit codes a byte
                 diff = torch.stack([diff & 0x0F, diff & 0xF0])
             changed = int((diff != 0).sum())
@@ -363,34 +361,25 @@ def make_sampler(actor, quant: str, dtype):
 
 
 @torch.no_grad()
-def sync_weights(sampler, actor, codes: dict | None = None) -> float:
+def sync_weights(sampler, actor) -> float:
     """sampler <- actor in place (QuantLinears re-quantized). Returns the flip rate, the share of
-    codes (half copies: values) that differ from `codes` (`sampler_codes`; default: the sampler's
-    before the sync): QuRL's weight-update problem."""
+    codes (half copies: values) changed: QuRL's weight-update problem."""
     if sampler is actor:
         return 0.0
     actor_modules = dict(actor.named_modules())
     changed = total = 0
     for name, module in decoder_linears(sampler):
-        source, before = actor_modules[name], (codes or {}).get(name)
+        source = actor_modules[name]
         if isinstance(module, QuantLinear):
-            changed += module.load_weight(source.weight, source.bias, before)
+            changed += module.load_weight(source.weight, source.bias)
         else:  # a half copy: its codes are its values
-            before = module.weight if before is None else before
-            changed += int((before != source.weight.to(before.dtype)).sum())
+            changed += int((module.weight != source.weight.to(module.weight.dtype)).sum())
         total += source.weight.numel()
 
     actor_params = dict(actor.named_parameters(remove_duplicate=False))  # lm_head may be untied
     for name, param in sampler.named_parameters():
         param.copy_(actor_params[name])
     return changed / max(total, 1)
-
-
-def sampler_codes(sampler) -> dict:
-    """A copy of the sampler's codes (half copies: values), a later flip rate's reference: a byte
-    a weight (NF4: half)."""
-    return {name: (module.weight_q if isinstance(module, QuantLinear) else module.weight).clone()
-            for name, module in decoder_linears(sampler)}
 
 
 @torch.no_grad()
@@ -458,9 +447,8 @@ class Rollout:
 
 def _pick(logits: Tensor, temperature: float, noise: Tensor | float,
           fed: Tensor) -> tuple[Tensor, Tensor]:
-    """The next token: `fed` where it is >= 0 (a fed decode), else drawn as argmax(p / E), E ~
-    Exp(1) `noise` (multinomial's own draw, no host sync); its log-prob under p = softmax(logits /
-    T) (no top-k, top-p: the ratio would need them)."""
+    """The next token, `fed` where >= 0, else argmax(p / E), E ~ Exp(1) `noise` (multinomial's
+    draw, no host sync); its log-prob under p = softmax(logits / T), untruncated as the ratio."""
     if temperature == 0:  # greedy; the log-prob is reported at T = 1
         log_probs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
         token = torch.where(fed >= 0, fed, log_probs.argmax(dim=-1))
@@ -536,7 +524,9 @@ def decode(model, tokenizer, input_ids: Tensor, prompt_mask: Tensor, n: int, max
     position = attention_mask.sum(-1)  # (B,): the next RoPE position
 
     tokens = torch.full((B, max_new_tokens), pad, device=device)  # (B, R) by output row
-    fed = _fed(forced, B, max_new_tokens, pad, device)
+    fed = torch.full_like(tokens, -1)  # -1: drawn
+    if forced is not None:
+        fed[:, :forced.shape[1]] = forced
     logp_behav = torch.zeros(B, max_new_tokens, device=device)
     end = torch.full((B,), max_new_tokens, device=device)  # the first EOS's index
     out_rows = torch.arange(B, device=device)  # batch row -> output row
@@ -567,13 +557,6 @@ def decode(model, tokenizer, input_ids: Tensor, prompt_mask: Tensor, n: int, max
         position = position + 1
     R = t + 1
     return _finish(tokenizer, input_ids, prompt_mask, n, tokens[:, :R], logp_behav[:, :R], end)
-
-
-def _fed(forced: Tensor | None, B: int, R: int, pad: int, device) -> Tensor:
-    """(B, R) tokens a decode is fed, padded (a rollout stops early); -1: none, draw."""
-    if forced is None:
-        return torch.full((B, R), -1, device=device)
-    return F.pad(forced, (0, R - forced.shape[1]), value=pad)
 
 
 def _finish(tokenizer, input_ids, prompt_mask, n, tokens, logp_behav, end) -> Rollout:
@@ -739,7 +722,7 @@ class Learner:
     tokenizer: object
     generator: torch.Generator  # the sampler's random numbers
     dtype: torch.dtype  # the compute dtype
-    rollout_codes: dict | None = None  # aligned: the sampler's codes at the rollout (flip rate)
+    rollout_codes: dict | None = None  # aligned: the sampler's codes before `update` re-syncs it
 
 
 def autocast(device, dtype):
@@ -769,8 +752,9 @@ def train_step(learner, args, problems: list[dict], step: int) -> dict:
     """One RL step: sync, rollout, rewards, advantages, pi_prox, update. Returns its metrics."""
     start = time.time()
     G, device = args.group_size, learner.generator.device
-    flip_rate = sync_weights(learner.sampler, learner.actor, learner.rollout_codes)  # 1. sync
-    learner.rollout_codes = None
+    if learner.rollout_codes:  # 1. sync, its flips counted from the last rollout's codes
+        learner.sampler.load_state_dict(learner.rollout_codes, strict=False)
+    flip_rate, learner.rollout_codes = sync_weights(learner.sampler, learner.actor), None
 
     prompts = [format_prompt(p["question"], learner.tokenizer) for p in problems]  # 2. rollout
     generate = compiled_sample if args.compile else sample
@@ -812,7 +796,7 @@ def train_step(learner, args, problems: list[dict], step: int) -> dict:
 
 
 def update(learner, args, batch: dict, rollout: Rollout | None = None) -> tuple[dict, Tensor]:
-    """--ppo-epochs passes of --mini-batches optimizer steps over some rows of `rollout` (`row`).
+    """--ppo-epochs passes of --mini-batches optimizer steps over rows (`row`) of `rollout`.
     Returns the mean metrics and pi_prox (B, R), the actor's before any step: the first
     mini-batch's forward detached, a no-grad forward the rest (aligned: pi_behav)."""
     mini_batches = _batches(len(batch["input_ids"]), args.mini_batches)
@@ -854,13 +838,13 @@ def update(learner, args, batch: dict, rollout: Rollout | None = None) -> tuple[
 
 @torch.no_grad()
 def sampler_logprobs(learner, args, rollout: Rollout) -> Tensor:
-    """The sampler's (B, R) log-probs of the rollout's tokens at the actor's weights now: the
-    sampler re-synced in place and the rollout's own decode run again (the same rows, the same
-    path, compiled too) fed its tokens. Only that decode computes the rollout's numbers: a GEMM
-    rounds by how many rows share it, and per-token activation codes turn a last bit into a code
-    step."""
-    if learner.rollout_codes is None:  # the next flip rate counts from the rollout's codes
-        learner.rollout_codes = sampler_codes(learner.sampler)
+    """The sampler's (B, R) log-probs of the rollout's tokens at the actor's weights: re-synced,
+    it runs the rollout's decode again fed the tokens (all rows, the same path). No other decode
+    computes its numbers: GEMMs round by row count, and activation codes turn a bit into a step."""
+    if learner.rollout_codes is None:  # the next sync counts flips from the rollout's codes
+        learner.rollout_codes = {f"{name}.{key}": value.clone()  # weight_q, weight_scale; weight
+                                 for name, module in decoder_linears(learner.sampler)
+                                 for key, value in module.state_dict().items() if "weight" in key}
     sync_weights(learner.sampler, learner.actor)
     G, P = args.group_size, rollout.prompt_len
     decode_fed = compiled_decode if args.compile else decode
@@ -1054,11 +1038,12 @@ def log_step(run, args, metrics):
 
 def save_checkpoint(learner, run):
     """What a run resumes from, moved into place by os.replace: a crash leaves a whole one."""
-    sampler = None if learner.sampler is learner.actor else learner.sampler.state_dict()
+    sampler = None  # its codes, the rollout's (the next flip rate counts from them)
+    if learner.sampler is not learner.actor:
+        sampler = learner.sampler.state_dict() | (learner.rollout_codes or {})
     ckpt = {"step": run.step, "data_pos": run.data_pos, "skipped": run.skipped,
             "first_eval": run.first_eval, "actor": learner.actor.state_dict(),
-            "optimizer": learner.optimizer.state_dict(), "sampler": sampler,  # its codes: flips
-            "rollout_codes": learner.rollout_codes,
+            "optimizer": learner.optimizer.state_dict(), "sampler": sampler,
             "rng": (random.getstate(), torch.get_rng_state(), learner.generator.get_state())}
     torch.save(ckpt, run.dir / "ckpt.pt.tmp")
     os.replace(run.dir / "ckpt.pt.tmp", run.dir / "ckpt.pt")
@@ -1133,7 +1118,6 @@ def resume_from(learner, run, ckpt):
     learner.optimizer.load_state_dict(ckpt["optimizer"])
     if ckpt["sampler"] is not None:
         learner.sampler.load_state_dict(ckpt["sampler"])
-    learner.rollout_codes = ckpt.get("rollout_codes")
     run.step, run.data_pos, run.skipped = ckpt["step"], ckpt["data_pos"], ckpt["skipped"]
     run.first_eval = ckpt["first_eval"]
     random.setstate(ckpt["rng"][0])
@@ -1360,8 +1344,8 @@ def compiled_sample(model, tokenizer, prompts, n=1, max_new_tokens=64, temperatu
 @torch.no_grad()
 def compiled_decode(model, tokenizer, input_ids, prompt_mask, n, max_new_tokens, temperature,
                     generator=None, forced=None) -> Rollout:
-    """`decode` by a `StaticDecoder` of these shapes (fed `forced`: the same graphs); else
-    `decode`, said once."""
+    """`decode` by a `StaticDecoder` (fed or drawing: the same graphs); else `decode`, said
+    once."""
     decoders = DECODERS.setdefault(model, {})
     key = (len(input_ids) * n, input_ids.shape[1], max_new_tokens, temperature)
     try:
@@ -1437,7 +1421,9 @@ class StaticDecoder:
         logp = torch.zeros_like(tokens, dtype=torch.float)
         end = torch.full_like(tokens[:, 0], tokens.shape[1])  # (B,) no EOS
         done = torch.zeros_like(end, dtype=torch.bool)
-        fed = _fed(forced, *tokens.shape, self.pad, tokens.device)
+        fed = torch.full_like(tokens, -1)  # -1: drawn
+        if forced is not None:
+            fed[:, :forced.shape[1]] = forced
         self.valid[:, :self.prompt_len] = prompt_mask.repeat_interleave(n, 0).bool()
         column = torch.full((1,), self.prompt_len, device=input_ids.device)  # next token's
 
