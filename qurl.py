@@ -410,7 +410,7 @@ def fake_quant(x: Tensor, fmt: str) -> Tensor:
 
 def aligned_linear(linear: nn.Linear, fmt: str, x: Tensor) -> Tensor:
     """QaRL's rollout-aligned linear: the sampler's fake-quantized weights and (W8A8) activations,
-    the gradient straight through (its value: `backward_mini_batch`)."""
+    the gradient straight through (logp's value: `sampler_logprobs`)."""
     x_q = x if fmt == "nf4" else fake_quant(x, fmt)  # W4A16 leaves activations alone
     return F.linear(x_q, fake_quant(linear.weight, fmt), linear.bias)
 
@@ -806,17 +806,17 @@ def update(learner, args, batch: dict, rollout: Rollout | None = None) -> tuple[
         with torch.no_grad():
             logp_prox[later] = batch_logprobs(learner.actor, select(batch, later), args)
 
-    logp_sampler = batch["logp_behav"]  # aligned: the sampler's log-probs at the actor's weights
+    logp_sampler = batch["logp_behav"]  # aligned: logp's value, the sampler's log-probs
     logs, skipped = [], 0
     learner.optimizer.zero_grad()  # each mini-batch's gradient alone (then freed after its step)
     for epoch in range(args.ppo_epochs):
         for rows in mini_batches:
             mini, first = select(batch, rows), epoch == 0 and rows == mini_batches[0]
             prox = None if first and not args.align_forward else logp_prox[rows]  # None: its own
-            if args.align_forward and not first:  # the actor moved: the sampler's decode again
+            if args.align_forward and not first:  # the actor moved: the sampler decodes again
                 logp_sampler = sampler_logprobs(learner, args, rollout)[batch["row"]]
-            value = logp_sampler[rows] if args.align_forward else None
-            metrics, finite, logp = backward_mini_batch(learner, args, mini, prox, value)
+            aligned = logp_sampler[rows] if args.align_forward else None
+            metrics, finite, logp = backward_mini_batch(learner, args, mini, prox, aligned)
             if prox is None:
                 logp_prox[rows] = logp
 
@@ -862,11 +862,12 @@ def _batches(n_rows: int, n_parts: int) -> list[slice]:
 
 
 def backward_mini_batch(learner, args, mini: dict, logp_prox: Tensor | None,
-                        value: Tensor | None = None) -> tuple[dict, bool, Tensor]:
+                        logp_sampler: Tensor | None = None) -> tuple[dict, bool, Tensor]:
     """A mini-batch's gradient over micro-batches, each loss over the mini-batch's denominator
     (TBPO's, known after the forwards, divides the gradient: zero it first): the one-pass
-    gradient at a micro-batch's memory. logp_prox None: the forward's own; `value`: logp's value
-    (the forward's gradient). Returns (metrics, all finite, (b, R) logp detached)."""
+    gradient at a micro-batch's memory. logp_prox None: the forward's own. `logp_sampler`
+    (aligned): logp's value, its gradient the forward's. Returns (metrics, all finite, (b, R) logp
+    detached)."""
     mask = mini["response_mask"]  # (b, R)
     micro_batches = [slice(i, i + args.micro_batch) for i in range(0, len(mask), args.micro_batch)]
     loss_fn = functools.partial(token_loss, kind=args.loss, eps_low=args.eps_low,
@@ -880,8 +881,8 @@ def backward_mini_batch(learner, args, mini: dict, logp_prox: Tensor | None,
     for rows in micro_batches:
         micro = select(mini, rows)
         logp = batch_logprobs(learner.actor, micro, args)  # (m, R), with grad
-        if value is not None:  # aligned: the sampler's value, the straight-through gradient
-            logp = value[rows] + (logp - logp.detach())
+        if logp_sampler is not None:  # the sampler's value, the straight-through gradient
+            logp = logp_sampler[rows] + (logp - logp.detach())
         prox = logp.detach()
         if logp_prox is not None:
             prox = logp_prox[rows]

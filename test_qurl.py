@@ -2245,23 +2245,6 @@ def test_fuse_stacks_the_separate_codes_and_follows_every_sync(tiny, quant):
         assert qurl.sync_weights(sampler, model) > 0.01 or quant == "none"
 
 
-def test_a_copy_of_a_compiled_model_gets_its_own_fused_layout(tiny, problems):
-    """A sampler copied from an actor whose decode compiled (`--quant none`) fuses its own q/k/v
-    and gate/up (a copy must not inherit the actor's fused tensors): it compiles, and its greedy
-    tokens are its eager ones."""
-    import copy
-    model, tok = copy.deepcopy(tiny[0]), tiny[1]
-    prompts = _mixed_prompts(tok, problems, 8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
-        qurl.compiled_sample(model, tok, prompts, 1, 16, 0.0)
-        for quant in ("bf16", "fp8"):
-            sampler = qurl.make_sampler(model, quant, torch.float32)
-            with qurl.rollout_autocast(quant, torch.device("cpu"), torch.float32):
-                compiled = qurl.compiled_sample(sampler, tok, prompts, 1, 16, 0.0)
-                assert compiled.texts == qurl.sample(sampler, tok, prompts, 1, 16, 0.0).texts
-
-
 def test_compile_end_to_end(tmp_path):
     args = _small_args(tmp_path, run_name="c", quant="fp8", compile=True)
     qurl.train(args)
@@ -2292,11 +2275,14 @@ def dry_run():
     return _script(HERE / "tools" / "dry_run.py", "dry_run")
 
 
-def test_memory_estimate_terms_against_the_objects_they_count(tiny, problems, dry_run):
+def test_memory_estimate_terms_against_the_objects_they_count(tiny, problems, dry_run,
+                                                              monkeypatch):
     """The estimate's sampler is what a real sampler holds (codes and scales, the fp32 rest, the
     bf16 lm_head beside the tied embedding); its KV cache is in the dtypes transformers keeps under
     autocast (K fp32, V bf16) and --compile keeps (both bf16); activations and logits scale as
-    documented; gradient checkpointing shrinks the activations."""
+    documented; gradient checkpointing shrinks the activations; --align-forward with several
+    updates holds the codes an aligned update keeps."""
+    import copy
     model, tok = tiny
     estimate = dry_run.estimate_memory
     for fmt in ("fp8", "nf4", "bf16"):
@@ -2328,6 +2314,15 @@ def test_memory_estimate_terms_against_the_objects_they_count(tiny, problems, dr
     # twice the micro-batch
     c = estimate(model, 64, 20, 32, 32, False, "fp8", torch.bfloat16, "cuda")
     assert c["activations"] == pytest.approx(2 * a["activations"]) and c["rollout"] == a["rollout"]
+
+    # --align-forward, two mini-batches: the codes the update keeps (an aligned step's own)
+    for fmt in ("fp8", "nf4", "bf16"):
+        learner = _aligned_step(copy.deepcopy(model), tok, problems[:2], fmt, monkeypatch)[3]
+        kept = {k: v.numel() * v.element_size() for k, v in learner.rollout_codes.items()}
+        scales = sum(size for k, size in kept.items() if k.endswith("weight_scale"))
+        with_codes, without = (estimate(model, 64, 20, 32, 16, False, fmt, torch.bfloat16,
+                                        "cuda", False, k) for k in (True, False))
+        assert abs((with_codes["held"] - without["held"]) * 2**30 - sum(kept.values())) <= scales
 
 
 def test_dry_run_meta_model_matches_the_loaded_one(tiny, dry_run):

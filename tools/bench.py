@@ -587,8 +587,9 @@ def bench_train(args: Args, opts) -> dict:
     step_peak = _memory(device) - base
     P = check_prompt_lengths(model, tok, problems, args.max_new_tokens)
     sizes = len(prompts) * args.group_size, P, args.max_new_tokens, args.micro_batch
+    kept = args.align_forward and args.mini_batches * args.ppo_epochs > 1
     est = estimate_memory(model, *sizes, args.grad_checkpointing, args.quant, dtype, device.type,
-                          args.compile)
+                          args.compile, kept)
     return _report(
         {
             "model": opts.model_config or Path(args.model).name,

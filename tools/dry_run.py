@@ -27,6 +27,7 @@ def estimate_memory(
     dtype: torch.dtype,
     device_type: str = "cuda",
     compiled: bool = False,
+    codes_kept: bool = False,
 ) -> dict:
     """Estimated peak GiB of a training step's update and of its rollout from the model's shapes
     (meta-device will do). Held: fp32 masters and AdamW's moments (12 B per parameter) and the
@@ -35,7 +36,9 @@ def estimate_memory(
     saved tensors, counted) and 16 B per response logit. The rollout adds the KV cache in the
     dtypes the sampler keeps it (under autocast transformers keeps K, rotated by fp32 cos/sin, in
     fp32 and V in the compute dtype; --compile keeps both in the compute dtype; a bf16/fp16 copy
-    in its own) and one decode step's logits."""
+    in its own) and one decode step's logits. `codes_kept` (--align-forward with several
+    optimizer steps a rollout): the update keeps a copy of the sampler's decoder codes (and
+    scales) for the next flip rate, held from the first re-sync to the next step's sync."""
     c = model.config
     h, n_layers = c.hidden_size, c.num_hidden_layers
     inter, vocab = c.intermediate_size, c.vocab_size
@@ -61,6 +64,9 @@ def estimate_memory(
     if compiled and quant not in ("bf16", "fp16"):
         kv_bytes = 2 * b
     held = 12 * n_par + sampler
+    if codes_kept:  # 1 B a code (NF4: half, and its block absmax), a half copy's 2 B values
+        per_code = {"bf16": 2, "fp16": 2, "nf4": 0.5 + 4 / qurl.NF4_BLOCK}.get(quant, 1)
+        held += n_lin * per_code * (quant != "none")
     mb, T = min(micro_batch, rows), prompt_len + new_tokens
     per_layer = 36 * h + 8 * inter if bf16 else 44 * h + 16 * inter
     acts = mb * T * (8 * h + (n_layers * 4 * h + per_layer if grad_ckpt else n_layers * per_layer))
@@ -99,8 +105,9 @@ def main(argv=None) -> None:
     prompt_len = qurl.check_prompt_lengths(model, tokenizer, train_set, args.max_new_tokens)
     rows = args.prompts_per_step * args.group_size
     sizes = rows, prompt_len, args.max_new_tokens, args.micro_batch
+    kept = args.align_forward and args.mini_batches * args.ppo_epochs > 1
     est = estimate_memory(model, *sizes, args.grad_checkpointing, args.quant, dtype, device.type,
-                          args.compile)
+                          args.compile, kept)
     print(json.dumps(dataclasses.asdict(args), indent=1))
     params = sum(p.numel() for p in model.parameters()) / 1e6
     print(
