@@ -116,147 +116,125 @@ class Args:
     compile: bool = arg(False, "decode with a static KV cache, compiled layers, CUDA graphs")
 
 
-# ==================== THE METHOD, 1: the task and its reward
-SYSTEM_PROMPT = ("Solve the problem step by step. Put the final answer, a number only, after "
-                 "'####' on the last line.")
+# ==================== THE METHOD, 1: the loop and one RL step
+def train(args) -> dict:
+    """The RL loop: train_step, an evaluation every --eval-every steps, a checkpoint every
+    SAVE_EVERY and on Ctrl-C or SIGTERM."""
+    learner, run = start_run(args)
+    with stop_requests():
+        for step in range(run.step + 1, args.steps + 1):
+            for param_group in learner.optimizer.param_groups:
+                param_group["lr"] = lr_at(step, args.steps, args.lr, args.lr_schedule)
+            problems = [run.train_set[run.order[(run.data_pos + i) % len(run.order)]]
+                        for i in range(args.prompts_per_step)]
+            metrics = train_step(learner, args, problems, step)
+            run.step, run.data_pos = step, run.data_pos + args.prompts_per_step
+
+            if step % args.eval_every == 0 or step == args.steps:
+                run.last_eval = metrics["eval/acc"] = run_eval(learner, args, run.test_set)
+            log_step(run, args, metrics | {"opt/lr": learner.optimizer.param_groups[0]["lr"]})
+
+            if STOP or (step % SAVE_EVERY == 0 and step != args.steps):
+                save_checkpoint(learner, run)
+            if STOP:
+                notice(f"stopped at step {step}: continue with --resume {run.dir}")
+                raise SystemExit(128 + next(iter(STOP)))  # 130 after Ctrl-C, 143 after SIGTERM
+    save_checkpoint(learner, run)
+    return finish_run(learner, run, args)
 
 
-def format_prompt(question: str, tokenizer) -> str:
-    """The chat template where the tokenizer has one, else the tiny model's format."""
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": SYSTEM_PROMPT},
-                    {"role": "user", "content": question}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"Q: {question}\nA: "
+@dataclass
+class Learner:
+    """What an RL step touches."""
+    actor: nn.Module  # fp32 master weights
+    optimizer: torch.optim.Optimizer  # AdamW, fp32 state
+    sampler: nn.Module  # the rollout's copy (--quant none: the actor)
+    tokenizer: object
+    generator: torch.Generator  # the sampler's random numbers
+    dtype: torch.dtype  # the compute dtype
+    rollout_codes: dict | None = None  # aligned: the sampler's codes before `update` re-syncs it
 
 
-def extract_answer(text: str) -> str | None:
-    """The final answer: '#### 42' (as asked; GSM8K's golds), else '\\boxed{42}' (Qwen's instruct
-    models box it anyway), else the last number."""
-    if "####" in text:
-        tail = text.rsplit("####", 1)[1].strip().split("\n")[0]
-        return _normalize(tail) if tail else None
+def train_step(learner, args, problems: list[dict], step: int) -> dict:
+    """One RL step: sync, rollout, rewards, advantages, pi_prox, update. Returns its metrics."""
+    start = time.time()
+    G, device = args.group_size, learner.generator.device
+    if learner.rollout_codes:  # 1. sync, its flips counted from the last rollout's codes
+        learner.sampler.load_state_dict(learner.rollout_codes, strict=False)
+    flip_rate, learner.rollout_codes = sync_weights(learner.sampler, learner.actor), None
 
-    boxed = re.findall(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}", text)  # one level of nested braces
-    if boxed and boxed[-1].strip():
-        return _normalize(boxed[-1])
+    prompts = [format_prompt(p["question"], learner.tokenizer) for p in problems]  # 2. rollout
+    generate = compiled_sample if args.compile else sample
+    learner.actor.eval()
+    with rollout_autocast(args.quant, device, learner.dtype):
+        rollout = generate(learner.sampler, learner.tokenizer, prompts, G, args.max_new_tokens,
+                           args.temperature, learner.generator)
+    learner.actor.train()
+    rollout_s = time.time() - start
 
-    last = _last_number(text)
-    return _normalize(last) if last is not None else None
+    golds = [p["gold"] for p in problems for _ in range(G)]  # 3. rewards, GRPO advantages
+    rewards = torch.tensor([reward(text, gold) for text, gold in zip(rollout.texts, golds)])
+    adv, has_signal = group_advantages(rewards, G)  # (B,) each
+    has_signal = has_signal.to(device)
+    batch = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
+             "response_mask": rollout.response_mask, "logp_behav": rollout.logp_behav,
+             "adv": adv.to(device), "row": torch.arange(len(adv), device=device)}
+
+    fmt = args.quant if args.align_forward else None  # 4. pi_prox and the update
+    with autocast(device, learner.dtype), rollout_aligned(learner.actor, fmt):
+        logp_prox = rollout.logp_behav.clone()  # (B, R); aligned: pi_prox = pi_behav
+        if not (has_signal.all() or args.align_forward):  # pi_prox for mismatch/* alone
+            with torch.no_grad():
+                no_signal = select(batch, ~has_signal)
+                logp_prox[~has_signal] = batch_logprobs(learner.actor, no_signal, args)
+        update_metrics, logp_prox[has_signal] = update(learner, args, select(batch, has_signal),
+                                                       rollout)
+
+    n_tokens = float(rollout.response_mask.sum())
+    step_s = time.time() - start
+    return {"step": step, "quant/flip_rate": flip_rate, "reward/mean": float(rewards.mean()),
+            "reward/zero_std_groups": int((~has_signal).sum()) // G,
+            "rollout/len_mean": n_tokens / len(rewards),
+            "rollout/truncated": float(rollout.truncated.float().mean()),
+            **mismatch_metrics(logp_prox, rollout.logp_behav, rollout.response_mask, args.is_cap),
+            "rollout/entropy": float(masked_mean(-rollout.logp_behav, rollout.response_mask)),
+            **update_metrics, "perf/rollout_tok_s": n_tokens / max(rollout_s, 1e-9),
+            "perf/step_s": step_s, "perf/rollout_frac": rollout_s / max(step_s, 1e-9)}
 
 
-def reward(completion: str, gold: str) -> float:
-    """1.0 when the final answer equals the gold one (3.50 == 3.5), else 0.0."""
-    predicted = extract_answer(completion)
-    if predicted is None:
-        return 0.0
-    gold = _normalize(gold)
-    try:
-        return float(Fraction(predicted) == Fraction(gold))  # exact values
-    except (ValueError, ZeroDivisionError):  # a word answer
-        return float(predicted == gold)
-
-
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
-
-
-def _last_number(text: str) -> str | None:
-    """The last number in text ('1,234', '-0.5', '3/4'), or None."""
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else None
-
-
-def _normalize(answer: str) -> str:
-    """'$1,234.50' -> '1234.50', '\\frac{3}{4}' -> '3/4', '12 eggs' -> '12'; words lowercased."""
-    text = re.sub(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"\1/\2", answer).replace("−", "-")
-    text = re.sub(r"\\text\{([^{}]*)\}|[$%,]|\\!?", r"\1", text)  # \text{x} -> x; $ % , \ out
-    number = _last_number(text)
-    if number is None:  # no digit: a word answer
-        return " ".join(text.split()).strip(".").lower()
-    return number.replace(" ", "")
-
-
-# ==================== THE METHOD, 2: quantization, sync, scaling
+# ==================== THE METHOD, 2: the sampler: quantized weights, their sync, invariant scaling
 # `fmt`: a quantizer's format (fp8, int8, nf4); --quant also takes none, bf16, fp16 (no codes)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 INT8_X_MAX = 2.0**14  # bitsandbytes takes fp16 activations (max 65504): larger rows scale
 NF4_BLOCK = 64  # weights per absmax block (QLoRA's NF4, QaRL's W4A16)
 
 
-def quantize_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row FP8 e4m3 (QuRL's W8A8): x ~= x8 * scale[:, None], scale = amax|row| / 448 (a row:
-    an output channel, a token)."""
-    xf = x.detach().float()
-    scale = xf.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
-    x8 = (xf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # may not saturate
-    return x8, scale
+@torch.no_grad()
+def sync_weights(sampler, actor) -> float:
+    """sampler <- actor in place (QuantLinears re-quantized). Returns the flip rate, the share of
+    codes (half copies: values) changed: QuRL's weight-update problem."""
+    if sampler is actor:
+        return 0.0
+    actor_modules = dict(actor.named_modules())
+    changed = total = 0
+    for name, module in decoder_linears(sampler):
+        source = actor_modules[name]
+        if isinstance(module, QuantLinear):
+            changed += module.load_weight(source.weight, source.bias)
+        else:  # a half copy: its codes are its values
+            changed += int((module.weight != source.weight.to(module.weight.dtype)).sum())
+        total += source.weight.numel()
+
+    actor_params = dict(actor.named_parameters(remove_duplicate=False))  # lm_head may be untied
+    for name, param in sampler.named_parameters():
+        param.copy_(actor_params[name])
+    return changed / max(total, 1)
 
 
-def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """LLM.int8 vector-wise INT8 (bitsandbytes, threshold 0): x ~= x8 * absmax[:, None] / 127."""
-    import bitsandbytes.functional as bnbF
-    x8, absmax, _ = bnbF.int8_vectorwise_quant(x.detach().to(torch.float16).contiguous(), 0.0)
-    return x8, absmax
-
-
-def quantize(weight: Tensor, fmt: str) -> tuple[Tensor, Tensor, object]:
-    """Weights in the sampler's format: (codes, fp32 scales per row or NF4 block, NF4's state).
-    NF4 (QLoRA's): 64 weights over their absmax, each to the nearest of 16 normal quantiles."""
-    if fmt == "fp8":
-        codes, scale = quantize_fp8(weight)
-        return codes, scale, None
-    if fmt == "int8":
-        codes, absmax = quantize_int8(weight)
-        return codes, absmax.float(), None
-
-    import bitsandbytes.functional as bnbF
-    weight = weight.detach().float().contiguous()
-    codes, state = bnbF.quantize_4bit(weight, blocksize=NF4_BLOCK, quant_type="nf4")
-    return codes, state.absmax.float(), state
-
-
-def dequantize(codes: Tensor, scale: Tensor, state, fmt: str) -> Tensor:
-    """fp32 values of `quantize`'s codes: code * scale (INT8: absmax / 127)."""
-    if fmt == "fp8":
-        return codes.float() * scale[:, None]
-    if fmt == "int8":
-        return codes.float() * (scale[:, None] / 127.0)
-    import bitsandbytes.functional as bnbF
-    return bnbF.dequantize_4bit(codes, state)
-
-
-def fp8_matmul(x2: Tensor, weight_q: Tensor, weight_scale: Tensor, kernel: str = "emulate",
-               weight_deq: Tensor | None = None) -> Tensor:
-    """y = Q(x2) Q(W)^T in FP8 for (M, K) activations (quantized per token), (N, K) weight codes:
-    by torch._scaled_mm, or dequantized (`weight_deq` if given)."""
-    with torch.autocast(x2.device.type, enabled=False):  # the kernel fixes its own numerics
-        x8, x_scale = quantize_fp8(x2)  # (M, K) codes, (M,) scales
-        x_scale = x_scale[:, None]
-        dtype = torch.bfloat16 if x2.is_cuda else torch.float32  # holds every e4m3 code
-        if kernel == "scaled_mm":  # bf16 on CUDA (the kernel's own rounding), fp32 on CPU
-            return torch._scaled_mm(x8, weight_q.t(), x_scale, weight_scale[None], out_dtype=dtype)
-
-        if weight_deq is not None:  # the scales applied before the sum
-            return F.linear(x8.float() * x_scale, weight_deq)
-        return (x8.to(dtype) @ weight_q.to(dtype).t()).float() * x_scale * weight_scale
-
-
-def int8_matmul(x2: Tensor, weight_q: Tensor, weight_absmax: Tensor) -> Tensor:
-    """y = Q(x2) Q(W)^T by bitsandbytes' LLM.int8 kernels (threshold 0: pure W8A8)."""
-    import bitsandbytes.functional as bnbF
-    with torch.autocast(x2.device.type, enabled=False):
-        shift = int8_shift(x2)  # (M, 1)
-        x8, x_absmax = quantize_int8(x2 / shift)
-        acc = bnbF.int8_linear_matmul(x8, weight_q)  # int32 = x8 @ w8^T
-        y = bnbF.int8_mm_dequant(acc, x_absmax, weight_absmax)  # * absmax_x absmax_w / 127^2
-        return y.float() * shift
-
-
-def int8_shift(x2: Tensor) -> Tensor:
-    """(M, 1) powers of 2 bringing each row's absmax under INT8_X_MAX (real checkpoints carry
-    activations of 1e4-1e5): dividing by them is exact."""
-    amax = x2.detach().float().abs().amax(dim=-1, keepdim=True)
-    return torch.exp2(torch.ceil(torch.log2((amax / INT8_X_MAX).clamp(min=1.0))))
+def decoder_linears(model) -> list[tuple[str, nn.Module]]:
+    """The linears QuRL quantizes: the decoder layers' (not the embeddings, lm_head)."""
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, (nn.Linear, QuantLinear)) and ".layers." in f".{name}"]
 
 
 class QuantLinear(nn.Module):
@@ -328,17 +306,80 @@ class QuantLinear(nn.Module):
         return F.linear(x.to(out_dtype), weight.to(out_dtype), bias)
 
 
-def decoder_linears(model) -> list[tuple[str, nn.Module]]:
-    """The linears QuRL quantizes: the decoder layers' (not the embeddings, lm_head)."""
-    return [(name, module) for name, module in model.named_modules()
-            if isinstance(module, (nn.Linear, QuantLinear)) and ".layers." in f".{name}"]
+def quantize(weight: Tensor, fmt: str) -> tuple[Tensor, Tensor, object]:
+    """Weights in the sampler's format: (codes, fp32 scales per row or NF4 block, NF4's state).
+    NF4 (QLoRA's): 64 weights over their absmax, each to the nearest of 16 normal quantiles."""
+    if fmt == "fp8":
+        codes, scale = quantize_fp8(weight)
+        return codes, scale, None
+    if fmt == "int8":
+        codes, absmax = quantize_int8(weight)
+        return codes, absmax.float(), None
+
+    import bitsandbytes.functional as bnbF
+    weight = weight.detach().float().contiguous()
+    codes, state = bnbF.quantize_4bit(weight, blocksize=NF4_BLOCK, quant_type="nf4")
+    return codes, state.absmax.float(), state
 
 
-def quantized_copy(actor, fmt: str):
-    """A frozen copy of the actor, its decoder linears QuantLinear (swapped in by deepcopy's memo:
-    no fp32 copy)."""
-    memo = {id(linear): QuantLinear(linear, fmt) for _, linear in decoder_linears(actor)}
-    return copy.deepcopy(actor, memo).eval().requires_grad_(False)
+def quantize_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-row FP8 e4m3 (QuRL's W8A8): x ~= x8 * scale[:, None], scale = amax|row| / 448 (a row:
+    an output channel, a token)."""
+    xf = x.detach().float()
+    scale = xf.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
+    x8 = (xf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # may not saturate
+    return x8, scale
+
+
+def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """LLM.int8 vector-wise INT8 (bitsandbytes, threshold 0): x ~= x8 * absmax[:, None] / 127."""
+    import bitsandbytes.functional as bnbF
+    x8, absmax, _ = bnbF.int8_vectorwise_quant(x.detach().to(torch.float16).contiguous(), 0.0)
+    return x8, absmax
+
+
+def dequantize(codes: Tensor, scale: Tensor, state, fmt: str) -> Tensor:
+    """fp32 values of `quantize`'s codes: code * scale (INT8: absmax / 127)."""
+    if fmt == "fp8":
+        return codes.float() * scale[:, None]
+    if fmt == "int8":
+        return codes.float() * (scale[:, None] / 127.0)
+    import bitsandbytes.functional as bnbF
+    return bnbF.dequantize_4bit(codes, state)
+
+
+def fp8_matmul(x2: Tensor, weight_q: Tensor, weight_scale: Tensor, kernel: str = "emulate",
+               weight_deq: Tensor | None = None) -> Tensor:
+    """y = Q(x2) Q(W)^T in FP8 for (M, K) activations (quantized per token), (N, K) weight codes:
+    by torch._scaled_mm, or dequantized (`weight_deq` if given)."""
+    with torch.autocast(x2.device.type, enabled=False):  # the kernel fixes its own numerics
+        x8, x_scale = quantize_fp8(x2)  # (M, K) codes, (M,) scales
+        x_scale = x_scale[:, None]
+        dtype = torch.bfloat16 if x2.is_cuda else torch.float32  # holds every e4m3 code
+        if kernel == "scaled_mm":  # bf16 on CUDA (the kernel's own rounding), fp32 on CPU
+            return torch._scaled_mm(x8, weight_q.t(), x_scale, weight_scale[None], out_dtype=dtype)
+
+        if weight_deq is not None:  # the scales applied before the sum
+            return F.linear(x8.float() * x_scale, weight_deq)
+        return (x8.to(dtype) @ weight_q.to(dtype).t()).float() * x_scale * weight_scale
+
+
+def int8_matmul(x2: Tensor, weight_q: Tensor, weight_absmax: Tensor) -> Tensor:
+    """y = Q(x2) Q(W)^T by bitsandbytes' LLM.int8 kernels (threshold 0: pure W8A8)."""
+    import bitsandbytes.functional as bnbF
+    with torch.autocast(x2.device.type, enabled=False):
+        shift = int8_shift(x2)  # (M, 1)
+        x8, x_absmax = quantize_int8(x2 / shift)
+        acc = bnbF.int8_linear_matmul(x8, weight_q)  # int32 = x8 @ w8^T
+        y = bnbF.int8_mm_dequant(acc, x_absmax, weight_absmax)  # * absmax_x absmax_w / 127^2
+        return y.float() * shift
+
+
+def int8_shift(x2: Tensor) -> Tensor:
+    """(M, 1) powers of 2 bringing each row's absmax under INT8_X_MAX (real checkpoints carry
+    activations of 1e4-1e5): dividing by them is exact."""
+    amax = x2.detach().float().abs().amax(dim=-1, keepdim=True)
+    return torch.exp2(torch.ceil(torch.log2((amax / INT8_X_MAX).clamp(min=1.0))))
 
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --quant's half copies
@@ -360,26 +401,11 @@ def make_sampler(actor, quant: str, dtype):
     return sampler
 
 
-@torch.no_grad()
-def sync_weights(sampler, actor) -> float:
-    """sampler <- actor in place (QuantLinears re-quantized). Returns the flip rate, the share of
-    codes (half copies: values) changed: QuRL's weight-update problem."""
-    if sampler is actor:
-        return 0.0
-    actor_modules = dict(actor.named_modules())
-    changed = total = 0
-    for name, module in decoder_linears(sampler):
-        source = actor_modules[name]
-        if isinstance(module, QuantLinear):
-            changed += module.load_weight(source.weight, source.bias)
-        else:  # a half copy: its codes are its values
-            changed += int((module.weight != source.weight.to(module.weight.dtype)).sum())
-        total += source.weight.numel()
-
-    actor_params = dict(actor.named_parameters(remove_duplicate=False))  # lm_head may be untied
-    for name, param in sampler.named_parameters():
-        param.copy_(actor_params[name])
-    return changed / max(total, 1)
+def quantized_copy(actor, fmt: str):
+    """A frozen copy of the actor, its decoder linears QuantLinear (swapped in by deepcopy's memo:
+    no fp32 copy)."""
+    memo = {id(linear): QuantLinear(linear, fmt) for _, linear in decoder_linears(actor)}
+    return copy.deepcopy(actor, memo).eval().requires_grad_(False)
 
 
 @torch.no_grad()
@@ -400,37 +426,20 @@ def invariant_rescale(model, s: float):
                 linear.weight.div_(s)  # W / s; the bias stays: (W / s)(s x) + b = W x + b
 
 
-def fake_quant(x: Tensor, fmt: str) -> Tensor:
-    """Quantize-dequantize in the sampler's format: the value quantized, the gradient identity."""
-    x2 = x if fmt == "nf4" else x.reshape(-1, x.shape[-1])  # W8A8: a row per token
-    shift = int8_shift(x2) if fmt == "int8" else 1.0  # as the sampler handles overflow
-    values = dequantize(*quantize(x2 / shift, fmt), fmt) * shift
-    return x + (values.reshape(x.shape).to(x.dtype) - x).detach()
-
-
-def aligned_linear(linear: nn.Linear, fmt: str, x: Tensor) -> Tensor:
-    """QaRL's rollout-aligned linear: the sampler's fake-quantized weights and (W8A8) activations,
-    the gradient straight through (logp's value: `sampler_logprobs`)."""
-    x_q = x if fmt == "nf4" else fake_quant(x, fmt)  # W4A16 leaves activations alone
-    return F.linear(x_q, fake_quant(linear.weight, fmt), linear.bias)
-
-
-@contextlib.contextmanager
-def rollout_aligned(model, fmt: str | None):
-    """In this block the decoder linears are `aligned_linear`s (fmt None, bf16, fp16: unchanged)."""
-    linears = []
-    if fmt and fmt not in HALF:
-        linears = [module for _, module in decoder_linears(model)]
-    for linear in linears:
-        linear.forward = lambda x, linear=linear: aligned_linear(linear, fmt, x)
-    try:
-        yield model
-    finally:
-        for linear in linears:
-            del linear.forward
-
-
 # ==================== THE METHOD, 3: the rollout, recording logp_behav
+SYSTEM_PROMPT = ("Solve the problem step by step. Put the final answer, a number only, after "
+                 "'####' on the last line.")
+
+
+def format_prompt(question: str, tokenizer) -> str:
+    """The chat template where the tokenizer has one, else the tiny model's format."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": question}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return f"Q: {question}\nA: "
+
+
 SYNC_EVERY = 8  # tokens between host syncs on a GPU (each stalls its launch queue)
 
 
@@ -445,63 +454,6 @@ class Rollout:
     truncated: Tensor  # (B,): no EOS
 
 
-def _pick(logits: Tensor, temperature: float, noise: Tensor | float,
-          fed: Tensor) -> tuple[Tensor, Tensor]:
-    """The next token, `fed` where >= 0, else argmax(p / E), E ~ Exp(1) `noise` (multinomial's
-    draw, no host sync); its log-prob under p = softmax(logits / T), untruncated as the ratio."""
-    if temperature == 0:  # greedy; the log-prob is reported at T = 1
-        log_probs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
-        token = torch.where(fed >= 0, fed, log_probs.argmax(dim=-1))
-        return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
-    token = torch.where(fed >= 0, fed, probs.div(noise).argmax(dim=-1))
-    return token, probs.gather(-1, token[:, None]).log().squeeze(-1)
-
-
-def _advance(logits, temperature, noise, fed, done, end, t, stop_ids, pad):
-    """Token t in both decodes: the tokens (padding after a row's end), their log-probs; a row's
-    first stop token sets its `end` to t and `done`."""
-    token, logp_behav = _pick(logits, temperature, noise, fed)
-    token = torch.where(done, pad, token)
-    finished = torch.isin(token, stop_ids) & ~done
-    return token, logp_behav, torch.where(finished, t, end), done | finished
-
-
-def encode(tokenizer, prompts: list[str], device, multiple: int | None = None):
-    """(b, P) token ids, left-padded (to a multiple of `multiple`), their mask."""
-    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
-                        padding_side="left", pad_to_multiple_of=multiple).to(device)
-    return encoded["input_ids"], encoded["attention_mask"]
-
-
-def _prefill(model, tokenizer, input_ids: Tensor, attention_mask: Tensor):
-    """The prompts into a new KV cache: (last logits, cache, {keyword: cache}, stop ids).
-    transformers 5.24 calls it `cache`, older ones `past_key_values`; each ignores the other."""
-    from transformers import DynamicCache
-    cache = DynamicCache(config=model.config)
-    parameters = inspect.signature(model.forward).parameters
-    keyword = "cache" if "cache" in parameters else "past_key_values"
-
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (b, P)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                   use_cache=True, logits_to_keep=1, **{keyword: cache}).logits[:, -1]  # (b, V)
-    if cache.get_seq_length() != input_ids.shape[1]:
-        import transformers
-        raise RuntimeError(f"the model did not fill the KV cache (transformers "
-                           f"{transformers.__version__}; tested: 4.57 to 5.25)")
-
-    stop_ids = torch.tensor(stop_token_ids(model, tokenizer), device=input_ids.device)
-    return logits, cache, {keyword: cache}, stop_ids
-
-
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """EOS ids: the tokenizer's and the generation config's (Qwen: <|im_end|> too)."""
-    configured = getattr(model.generation_config, "eos_token_id", None)
-    if not isinstance(configured, (list, tuple)):
-        configured = [configured]
-    return sorted({i for i in [tokenizer.eos_token_id, *configured] if i is not None})
-
-
 @torch.no_grad()
 def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64,
            temperature: float = 1.0, generator: torch.Generator | None = None) -> Rollout:
@@ -509,6 +461,13 @@ def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int
     input_ids, prompt_mask = encode(tokenizer, prompts, next(model.parameters()).device)
     return decode(model, tokenizer, input_ids, prompt_mask, n, max_new_tokens, temperature,
                   generator)
+
+
+def encode(tokenizer, prompts: list[str], device, multiple: int | None = None):
+    """(b, P) token ids, left-padded (to a multiple of `multiple`), their mask."""
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False,
+                        padding_side="left", pad_to_multiple_of=multiple).to(device)
+    return encoded["input_ids"], encoded["attention_mask"]
 
 
 @torch.no_grad()
@@ -559,6 +518,56 @@ def decode(model, tokenizer, input_ids: Tensor, prompt_mask: Tensor, n: int, max
     return _finish(tokenizer, input_ids, prompt_mask, n, tokens[:, :R], logp_behav[:, :R], end)
 
 
+def _prefill(model, tokenizer, input_ids: Tensor, attention_mask: Tensor):
+    """The prompts into a new KV cache: (last logits, cache, {keyword: cache}, stop ids).
+    transformers 5.24 calls it `cache`, older ones `past_key_values`; each ignores the other."""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=model.config)
+    parameters = inspect.signature(model.forward).parameters
+    keyword = "cache" if "cache" in parameters else "past_key_values"
+
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (b, P)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                   use_cache=True, logits_to_keep=1, **{keyword: cache}).logits[:, -1]  # (b, V)
+    if cache.get_seq_length() != input_ids.shape[1]:
+        import transformers
+        raise RuntimeError(f"the model did not fill the KV cache (transformers "
+                           f"{transformers.__version__}; tested: 4.57 to 5.25)")
+
+    stop_ids = torch.tensor(stop_token_ids(model, tokenizer), device=input_ids.device)
+    return logits, cache, {keyword: cache}, stop_ids
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """EOS ids: the tokenizer's and the generation config's (Qwen: <|im_end|> too)."""
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    if not isinstance(configured, (list, tuple)):
+        configured = [configured]
+    return sorted({i for i in [tokenizer.eos_token_id, *configured] if i is not None})
+
+
+def _advance(logits, temperature, noise, fed, done, end, t, stop_ids, pad):
+    """Token t in both decodes: the tokens (padding after a row's end), their log-probs; a row's
+    first stop token sets its `end` to t and `done`."""
+    token, logp_behav = _pick(logits, temperature, noise, fed)
+    token = torch.where(done, pad, token)
+    finished = torch.isin(token, stop_ids) & ~done
+    return token, logp_behav, torch.where(finished, t, end), done | finished
+
+
+def _pick(logits: Tensor, temperature: float, noise: Tensor | float,
+          fed: Tensor) -> tuple[Tensor, Tensor]:
+    """The next token, `fed` where >= 0, else argmax(p / E), E ~ Exp(1) `noise` (multinomial's
+    draw, no host sync); its log-prob under p = softmax(logits / T), untruncated as the ratio."""
+    if temperature == 0:  # greedy; the log-prob is reported at T = 1
+        log_probs = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+        token = torch.where(fed >= 0, fed, log_probs.argmax(dim=-1))
+        return token, log_probs.gather(-1, token[:, None]).squeeze(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # (B, V)
+    token = torch.where(fed >= 0, fed, probs.div(noise).argmax(dim=-1))
+    return token, probs.gather(-1, token[:, None]).log().squeeze(-1)
+
+
 def _finish(tokenizer, input_ids, prompt_mask, n, tokens, logp_behav, end) -> Rollout:
     """The Rollout of (B, R) tokens (padding after the EOS), log-probs, (B,) first EOS of (b, P)
     prompts n times each."""
@@ -575,7 +584,117 @@ def _finish(tokenizer, input_ids, prompt_mask, n, tokens, logp_behav, end) -> Ro
                    input_ids.shape[1], texts, end >= R)
 
 
-# ==================== THE METHOD, 4: teacher-forced log-probs
+def rollout_autocast(quant: str, device, dtype):
+    """A half copy (bf16, fp16) decodes in its dtype, autocast off; others as the actor."""
+    if quant in HALF:
+        return torch.autocast(device.type, enabled=False)
+    return autocast(device, dtype)
+
+
+def autocast(device, dtype):
+    """Forwards compute in `dtype` on fp32 master weights; fp32: autocast off."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+# ==================== THE METHOD, 4: reward and advantages
+def reward(completion: str, gold: str) -> float:
+    """1.0 when the final answer equals the gold one (3.50 == 3.5), else 0.0."""
+    predicted = extract_answer(completion)
+    if predicted is None:
+        return 0.0
+    gold = _normalize(gold)
+    try:
+        return float(Fraction(predicted) == Fraction(gold))  # exact values
+    except (ValueError, ZeroDivisionError):  # a word answer
+        return float(predicted == gold)
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer: '#### 42' (as asked; GSM8K's golds), else '\\boxed{42}' (Qwen's instruct
+    models box it anyway), else the last number."""
+    if "####" in text:
+        tail = text.rsplit("####", 1)[1].strip().split("\n")[0]
+        return _normalize(tail) if tail else None
+
+    boxed = re.findall(r"\\boxed\{((?:[^{}]|\{[^{}]*\})*)\}", text)  # one level of nested braces
+    if boxed and boxed[-1].strip():
+        return _normalize(boxed[-1])
+
+    last = _last_number(text)
+    return _normalize(last) if last is not None else None
+
+
+def _normalize(answer: str) -> str:
+    """'$1,234.50' -> '1234.50', '\\frac{3}{4}' -> '3/4', '12 eggs' -> '12'; words lowercased."""
+    text = re.sub(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"\1/\2", answer).replace("−", "-")
+    text = re.sub(r"\\text\{([^{}]*)\}|[$%,]|\\!?", r"\1", text)  # \text{x} -> x; $ % , \ out
+    number = _last_number(text)
+    if number is None:  # no digit: a word answer
+        return " ".join(text.split()).strip(".").lower()
+    return number.replace(" ", "")
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\.\d+")
+
+
+def _last_number(text: str) -> str | None:
+    """The last number in text ('1,234', '-0.5', '3/4'), or None."""
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def group_advantages(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """GRPO: A_i = (reward_i - mean) / (std + 1e-6) in groups of consecutive rows (unbiased std,
+    as TRL); has_signal: False where a group's rewards are equal."""
+    grouped = rewards.float().view(-1, group_size)
+    std = grouped.std(dim=1, keepdim=True)
+    adv = (grouped - grouped.mean(dim=1, keepdim=True)) / (std + 1e-6)
+    has_signal = (std > 0).expand_as(grouped)
+    return adv.reshape(-1), has_signal.reshape(-1)
+
+
+# ==================== THE METHOD, 5: the update: pi_prox, the aligned forward, the optimizer steps
+@contextlib.contextmanager
+def rollout_aligned(model, fmt: str | None):
+    """In this block the decoder linears are `aligned_linear`s (fmt None, bf16, fp16: unchanged)."""
+    linears = []
+    if fmt and fmt not in HALF:
+        linears = [module for _, module in decoder_linears(model)]
+    for linear in linears:
+        linear.forward = lambda x, linear=linear: aligned_linear(linear, fmt, x)
+    try:
+        yield model
+    finally:
+        for linear in linears:
+            del linear.forward
+
+
+def aligned_linear(linear: nn.Linear, fmt: str, x: Tensor) -> Tensor:
+    """QaRL's rollout-aligned linear: the sampler's fake-quantized weights and (W8A8) activations,
+    the gradient straight through (logp's value: `sampler_logprobs`)."""
+    x_q = x if fmt == "nf4" else fake_quant(x, fmt)  # W4A16 leaves activations alone
+    return F.linear(x_q, fake_quant(linear.weight, fmt), linear.bias)
+
+
+def fake_quant(x: Tensor, fmt: str) -> Tensor:
+    """Quantize-dequantize in the sampler's format: the value quantized, the gradient identity."""
+    x2 = x if fmt == "nf4" else x.reshape(-1, x.shape[-1])  # W8A8: a row per token
+    shift = int8_shift(x2) if fmt == "int8" else 1.0  # as the sampler handles overflow
+    values = dequantize(*quantize(x2 / shift, fmt), fmt) * shift
+    return x + (values.reshape(x.shape).to(x.dtype) - x).detach()
+
+
+def select(batch: dict, rows) -> dict:
+    """Some rows of a dict of row-aligned tensors."""
+    return {key: value[rows] for key, value in batch.items()}
+
+
+def batch_logprobs(model, batch: dict, args) -> Tensor:
+    """`token_logprobs` of a batch's rows."""
+    return token_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                          batch["response_mask"], args.temperature, args.micro_batch)
+
+
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
                    temperature: float = 1.0, micro_batch: int = 64) -> Tensor:
     """(B, R) log-probs of the last R tokens of (B, P + R) rows under log_softmax(logits / T), in
@@ -597,202 +716,7 @@ def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, response_ma
     return torch.cat(chunks) * response_mask
 
 
-# ==================== THE METHOD, 5: advantages and losses
-LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: a runaway log-ratio stays finite
-
-
-def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """The mean of x where mask is 1 (all, or along dim); 0 where empty."""
-    if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1.0)
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
-
-
-def k3(log_ratio: Tensor) -> Tensor:
-    """Schulman's k3 estimate of KL(p || q) from samples of p, r = log q/p: e^r - 1 - r."""
-    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return log_ratio.exp() - 1 - log_ratio
-
-
-def group_advantages(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
-    """GRPO: A_i = (reward_i - mean) / (std + 1e-6) in groups of consecutive rows (unbiased std,
-    as TRL); has_signal: False where a group's rewards are equal."""
-    grouped = rewards.float().view(-1, group_size)
-    std = grouped.std(dim=1, keepdim=True)
-    adv = (grouped - grouped.mean(dim=1, keepdim=True)) / (std + 1e-6)
-    has_signal = (std > 0).expand_as(grouped)
-    return adv.reshape(-1), has_signal.reshape(-1)
-
-
-def token_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, mask: Tensor,
-               kind: str, eps_low: float, eps_high: float, is_cap: float,
-               denom: Tensor | float | None = None) -> tuple[Tensor, dict]:
-    """Token objectives over (B, R) log-probs, (B,) adv, (B, R) mask: naive clips pi_theta /
-    pi_behav; tis clips pi_theta / pi_prox, weighted by w = min(pi_prox / pi_behav, C); acr widens
-    the upper bound where w is cut. The mask's mean (DAPO) or sum / `denom`."""
-    logp_prox, logp_behav = logp_prox.detach(), logp_behav.detach()
-    adv = adv.detach().to(logp.dtype)[:, None]  # a token takes its sequence's advantage
-    mask = mask.to(logp.dtype)
-    log_w = (logp_prox - logp_behav).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    w = log_w.exp().clamp(max=is_cap)  # QuRL Eq. 5: w = min(pi_prox / pi_behav, C), no grad
-    log_ratio = logp - logp_prox  # pi_theta / pi_prox
-    if kind == "naive":  # QuRL Eq. 3: pi_theta / pi_behav, the sampler as the old policy
-        log_ratio, w = logp - logp_behav, torch.ones_like(w)
-    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    upper = torch.full_like(logp, 1 + eps_high)
-    if kind == "acr":
-        r = (is_cap * (-log_w).exp()).clamp(max=1.0)  # QuRL Eq. 9: r = min(1, C pi_behav/pi_prox)
-        upper = upper / r  # QuRL Eq. 9: the upper bound (1 + eps_high) / r
-
-    clipped = ratio.clamp(min=1 - eps_low).minimum(upper)
-    per_token = -w * torch.minimum(ratio * adv, clipped * adv)  # -w min(ratio A, clip(ratio) A)
-    if denom is None:
-        denom = mask.sum().clamp(min=1.0)
-    loss = (per_token * mask).sum() / denom
-
-    ratio = ratio.detach()
-    clip_low = ((ratio < 1 - eps_low) & (adv < 0)).to(mask.dtype)  # tokens the clip stops
-    clip_high = ((ratio > upper) & (adv > 0)).to(mask.dtype)
-    return loss, {"loss/policy": loss.detach(), "clip/low": masked_mean(clip_low, mask),
-                 "clip/high": masked_mean(clip_high, mask),
-                 "clip/acr_upper": masked_mean(upper, mask)}
-
-
-def tbpo_ratio(logp: Tensor, logp_prox: Tensor, adv: Tensor, mask: Tensor,
-               tbpo_band: tuple[float, float, float]) -> tuple[Tensor, ...]:
-    """TBPO's sequence ratio s_i = exp(mean_t log pi_theta / pi_prox) (geometric, as GSPO), and
-    (B,) in_band, below, above. A >= 0 below 1 - LO stays: min(s A, clip(s) A) = s A pushes up."""
-    lo, hi_pos, hi_neg = tbpo_band
-    log_ratio = masked_mean(logp - logp_prox.detach(), mask, dim=1)
-    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    s = ratio.detach()
-    below = (adv < 0) & (s < 1 - lo)
-    above = torch.where(adv >= 0, s > 1 + hi_pos, s > 1 + hi_neg)
-    return ratio, (mask.sum(1) > 0) & ~below & ~above, below, above
-
-
-def tbpo_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, mask: Tensor,
-              is_cap: float, tbpo_band: tuple[float, float, float],
-              denom: Tensor | float | None = None) -> tuple[Tensor, dict]:
-    """QaRL's Trust-Band Policy Optimization (`token_loss`'s shapes): A >= 0 PPO-clipped to
-    [1 - LO, 1 + HI+], A < 0 held in [1 - LO, 1 + HI-]. Sequences out of band leave the loss and
-    its denominator (their count, or `denom`)."""
-    adv, mask = adv.detach().to(logp.dtype), mask.to(logp.dtype)
-    lo, hi_pos, hi_neg = tbpo_band
-    ratio, in_band, below, above = tbpo_ratio(logp, logp_prox, adv, mask, tbpo_band)
-    log_w = (logp_prox - logp_behav).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    w_hat = masked_mean(log_w, mask, dim=1).exp().clamp(max=is_cap)  # min(w_i, C), no grad
-
-    positive = torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi_pos) * adv)  # A >= 0: clip
-    negative = ratio.clamp(1 - lo, 1 + hi_neg) * adv  # A < 0: the band
-    loss = -(in_band * w_hat * torch.where(adv >= 0, positive, negative)).sum()
-    if denom is None:
-        denom = in_band.sum().clamp(min=1)
-    loss = loss / denom
-
-    n_nonempty = (mask.sum(1) > 0).sum().clamp(min=1)
-    return loss, {"loss/policy": loss.detach(), "tbpo/kept": in_band.sum() / n_nonempty,
-                 "clip/low": below.sum() / n_nonempty, "clip/high": above.sum() / n_nonempty}
-
-
-def mismatch_metrics(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor,
-                     is_cap: float = 2.0) -> dict:
-    """On the sampled tokens: k3 KL(pi_behav || pi_prox), mean |log pi_prox - log pi_behav|, max
-    w = pi_prox / pi_behav, the share of w above C (what TIS truncates)."""
-    log_w = (logp_prox - logp_behav).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio_max = 1.0
-    if mask.any():
-        ratio_max = float(log_w.masked_fill(mask == 0, -math.inf).max().exp())
-    return {"mismatch/kl": float(masked_mean(k3(log_w), mask)),
-            "mismatch/logp_absdiff": float(masked_mean(log_w.abs(), mask)),
-            "mismatch/ratio_max": ratio_max,
-            "mismatch/w_truncated": float(masked_mean((log_w > math.log(is_cap)).float(), mask))}
-
-
-# ==================== THE METHOD, 6: one RL step
 MAX_GRAD_NORM = 1.0
-
-
-@dataclass
-class Learner:
-    """What an RL step touches."""
-    actor: nn.Module  # fp32 master weights
-    optimizer: torch.optim.Optimizer  # AdamW, fp32 state
-    sampler: nn.Module  # the rollout's copy (--quant none: the actor)
-    tokenizer: object
-    generator: torch.Generator  # the sampler's random numbers
-    dtype: torch.dtype  # the compute dtype
-    rollout_codes: dict | None = None  # aligned: the sampler's codes before `update` re-syncs it
-
-
-def autocast(device, dtype):
-    """Forwards compute in `dtype` on fp32 master weights; fp32: autocast off."""
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-
-
-def rollout_autocast(quant: str, device, dtype):
-    """A half copy (bf16, fp16) decodes in its dtype, autocast off; others as the actor."""
-    if quant in HALF:
-        return torch.autocast(device.type, enabled=False)
-    return autocast(device, dtype)
-
-
-def select(batch: dict, rows) -> dict:
-    """Some rows of a dict of row-aligned tensors."""
-    return {key: value[rows] for key, value in batch.items()}
-
-
-def batch_logprobs(model, batch: dict, args) -> Tensor:
-    """`token_logprobs` of a batch's rows."""
-    return token_logprobs(model, batch["input_ids"], batch["attention_mask"],
-                          batch["response_mask"], args.temperature, args.micro_batch)
-
-
-def train_step(learner, args, problems: list[dict], step: int) -> dict:
-    """One RL step: sync, rollout, rewards, advantages, pi_prox, update. Returns its metrics."""
-    start = time.time()
-    G, device = args.group_size, learner.generator.device
-    if learner.rollout_codes:  # 1. sync, its flips counted from the last rollout's codes
-        learner.sampler.load_state_dict(learner.rollout_codes, strict=False)
-    flip_rate, learner.rollout_codes = sync_weights(learner.sampler, learner.actor), None
-
-    prompts = [format_prompt(p["question"], learner.tokenizer) for p in problems]  # 2. rollout
-    generate = compiled_sample if args.compile else sample
-    learner.actor.eval()
-    with rollout_autocast(args.quant, device, learner.dtype):
-        rollout = generate(learner.sampler, learner.tokenizer, prompts, G, args.max_new_tokens,
-                           args.temperature, learner.generator)
-    learner.actor.train()
-    rollout_s = time.time() - start
-
-    golds = [p["gold"] for p in problems for _ in range(G)]  # 3. rewards, GRPO advantages
-    rewards = torch.tensor([reward(text, gold) for text, gold in zip(rollout.texts, golds)])
-    adv, has_signal = group_advantages(rewards, G)  # (B,) each
-    has_signal = has_signal.to(device)
-    batch = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
-             "response_mask": rollout.response_mask, "logp_behav": rollout.logp_behav,
-             "adv": adv.to(device), "row": torch.arange(len(adv), device=device)}
-
-    fmt = args.quant if args.align_forward else None  # 4. pi_prox and the update
-    with autocast(device, learner.dtype), rollout_aligned(learner.actor, fmt):
-        logp_prox = rollout.logp_behav.clone()  # (B, R); aligned: pi_prox = pi_behav
-        if not (has_signal.all() or args.align_forward):  # pi_prox for mismatch/* alone
-            with torch.no_grad():
-                no_signal = select(batch, ~has_signal)
-                logp_prox[~has_signal] = batch_logprobs(learner.actor, no_signal, args)
-        update_metrics, logp_prox[has_signal] = update(learner, args, select(batch, has_signal),
-                                                       rollout)
-
-    n_tokens = float(rollout.response_mask.sum())
-    step_s = time.time() - start
-    return {"step": step, "quant/flip_rate": flip_rate, "reward/mean": float(rewards.mean()),
-            "reward/zero_std_groups": int((~has_signal).sum()) // G,
-            "rollout/len_mean": n_tokens / len(rewards),
-            "rollout/truncated": float(rollout.truncated.float().mean()),
-            **mismatch_metrics(logp_prox, rollout.logp_behav, rollout.response_mask, args.is_cap),
-            "rollout/entropy": float(masked_mean(-rollout.logp_behav, rollout.response_mask)),
-            **update_metrics, "perf/rollout_tok_s": n_tokens / max(rollout_s, 1e-9),
-            "perf/step_s": step_s, "perf/rollout_frac": rollout_s / max(step_s, 1e-9)}
 
 
 def update(learner, args, batch: dict, rollout: Rollout | None = None) -> tuple[dict, Tensor]:
@@ -836,6 +760,12 @@ def update(learner, args, batch: dict, rollout: Rollout | None = None) -> tuple[
     return averaged, logp_prox
 
 
+def _batches(n_rows: int, n_parts: int) -> list[slice]:
+    """n_parts contiguous slices, their sizes differing by at most one."""
+    bounds = [round(i * n_rows / n_parts) for i in range(n_parts + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
 @torch.no_grad()
 def sampler_logprobs(learner, args, rollout: Rollout) -> Tensor:
     """The sampler's (B, R) log-probs of the rollout's tokens at the actor's weights: re-synced,
@@ -853,12 +783,6 @@ def sampler_logprobs(learner, args, rollout: Rollout) -> Tensor:
                          rollout.attention_mask[::G, :P], G, args.max_new_tokens,
                          args.temperature, forced=rollout.input_ids[:, P:])
     return fed.logp_behav
-
-
-def _batches(n_rows: int, n_parts: int) -> list[slice]:
-    """n_parts contiguous slices, their sizes differing by at most one."""
-    bounds = [round(i * n_rows / n_parts) for i in range(n_parts + 1)]
-    return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
 def backward_mini_batch(learner, args, mini: dict, logp_prox: Tensor | None,
@@ -905,31 +829,106 @@ def backward_mini_batch(learner, args, mini: dict, logp_prox: Tensor | None,
     return dict(zip(metrics, values)), bool(values[-1]), logp
 
 
-# ==================== THE METHOD, 7: the training loop
-def train(args) -> dict:
-    """The RL loop: train_step, an evaluation every --eval-every steps, a checkpoint every
-    SAVE_EVERY and on Ctrl-C or SIGTERM."""
-    learner, run = start_run(args)
-    with stop_requests():
-        for step in range(run.step + 1, args.steps + 1):
-            for param_group in learner.optimizer.param_groups:
-                param_group["lr"] = lr_at(step, args.steps, args.lr, args.lr_schedule)
-            problems = [run.train_set[run.order[(run.data_pos + i) % len(run.order)]]
-                        for i in range(args.prompts_per_step)]
-            metrics = train_step(learner, args, problems, step)
-            run.step, run.data_pos = step, run.data_pos + args.prompts_per_step
+# ==================== THE METHOD, 6: the losses and the mismatch metrics
+LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: a runaway log-ratio stays finite
 
-            if step % args.eval_every == 0 or step == args.steps:
-                run.last_eval = metrics["eval/acc"] = run_eval(learner, args, run.test_set)
-            log_step(run, args, metrics | {"opt/lr": learner.optimizer.param_groups[0]["lr"]})
 
-            if STOP or (step % SAVE_EVERY == 0 and step != args.steps):
-                save_checkpoint(learner, run)
-            if STOP:
-                notice(f"stopped at step {step}: continue with --resume {run.dir}")
-                raise SystemExit(128 + next(iter(STOP)))  # 130 after Ctrl-C, 143 after SIGTERM
-    save_checkpoint(learner, run)
-    return finish_run(learner, run, args)
+def token_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, mask: Tensor,
+               kind: str, eps_low: float, eps_high: float, is_cap: float,
+               denom: Tensor | float | None = None) -> tuple[Tensor, dict]:
+    """Token objectives over (B, R) log-probs, (B,) adv, (B, R) mask: naive clips pi_theta /
+    pi_behav; tis clips pi_theta / pi_prox, weighted by w = min(pi_prox / pi_behav, C); acr widens
+    the upper bound where w is cut. The mask's mean (DAPO) or sum / `denom`."""
+    logp_prox, logp_behav = logp_prox.detach(), logp_behav.detach()
+    adv = adv.detach().to(logp.dtype)[:, None]  # a token takes its sequence's advantage
+    mask = mask.to(logp.dtype)
+    log_w = (logp_prox - logp_behav).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    w = log_w.exp().clamp(max=is_cap)  # QuRL Eq. 5: w = min(pi_prox / pi_behav, C), no grad
+    log_ratio = logp - logp_prox  # pi_theta / pi_prox
+    if kind == "naive":  # QuRL Eq. 3: pi_theta / pi_behav, the sampler as the old policy
+        log_ratio, w = logp - logp_behav, torch.ones_like(w)
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    upper = torch.full_like(logp, 1 + eps_high)
+    if kind == "acr":
+        r = (is_cap * (-log_w).exp()).clamp(max=1.0)  # QuRL Eq. 9: r = min(1, C pi_behav/pi_prox)
+        upper = upper / r  # QuRL Eq. 9: the upper bound (1 + eps_high) / r
+
+    clipped = ratio.clamp(min=1 - eps_low).minimum(upper)
+    per_token = -w * torch.minimum(ratio * adv, clipped * adv)  # -w min(ratio A, clip(ratio) A)
+    if denom is None:
+        denom = mask.sum().clamp(min=1.0)
+    loss = (per_token * mask).sum() / denom
+
+    ratio = ratio.detach()
+    clip_low = ((ratio < 1 - eps_low) & (adv < 0)).to(mask.dtype)  # tokens the clip stops
+    clip_high = ((ratio > upper) & (adv > 0)).to(mask.dtype)
+    return loss, {"loss/policy": loss.detach(), "clip/low": masked_mean(clip_low, mask),
+                 "clip/high": masked_mean(clip_high, mask),
+                 "clip/acr_upper": masked_mean(upper, mask)}
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """The mean of x where mask is 1 (all, or along dim); 0 where empty."""
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
+
+
+def k3(log_ratio: Tensor) -> Tensor:
+    """Schulman's k3 estimate of KL(p || q) from samples of p, r = log q/p: e^r - 1 - r."""
+    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return log_ratio.exp() - 1 - log_ratio
+
+
+def tbpo_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, mask: Tensor,
+              is_cap: float, tbpo_band: tuple[float, float, float],
+              denom: Tensor | float | None = None) -> tuple[Tensor, dict]:
+    """QaRL's Trust-Band Policy Optimization (`token_loss`'s shapes): A >= 0 PPO-clipped to
+    [1 - LO, 1 + HI+], A < 0 held in [1 - LO, 1 + HI-]. Sequences out of band leave the loss and
+    its denominator (their count, or `denom`)."""
+    adv, mask = adv.detach().to(logp.dtype), mask.to(logp.dtype)
+    lo, hi_pos, hi_neg = tbpo_band
+    ratio, in_band, below, above = tbpo_ratio(logp, logp_prox, adv, mask, tbpo_band)
+    log_w = (logp_prox - logp_behav).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    w_hat = masked_mean(log_w, mask, dim=1).exp().clamp(max=is_cap)  # min(w_i, C), no grad
+
+    positive = torch.minimum(ratio * adv, ratio.clamp(1 - lo, 1 + hi_pos) * adv)  # A >= 0: clip
+    negative = ratio.clamp(1 - lo, 1 + hi_neg) * adv  # A < 0: the band
+    loss = -(in_band * w_hat * torch.where(adv >= 0, positive, negative)).sum()
+    if denom is None:
+        denom = in_band.sum().clamp(min=1)
+    loss = loss / denom
+
+    n_nonempty = (mask.sum(1) > 0).sum().clamp(min=1)
+    return loss, {"loss/policy": loss.detach(), "tbpo/kept": in_band.sum() / n_nonempty,
+                 "clip/low": below.sum() / n_nonempty, "clip/high": above.sum() / n_nonempty}
+
+
+def tbpo_ratio(logp: Tensor, logp_prox: Tensor, adv: Tensor, mask: Tensor,
+               tbpo_band: tuple[float, float, float]) -> tuple[Tensor, ...]:
+    """TBPO's sequence ratio s_i = exp(mean_t log pi_theta / pi_prox) (geometric, as GSPO), and
+    (B,) in_band, below, above. A >= 0 below 1 - LO stays: min(s A, clip(s) A) = s A pushes up."""
+    lo, hi_pos, hi_neg = tbpo_band
+    log_ratio = masked_mean(logp - logp_prox.detach(), mask, dim=1)
+    ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    s = ratio.detach()
+    below = (adv < 0) & (s < 1 - lo)
+    above = torch.where(adv >= 0, s > 1 + hi_pos, s > 1 + hi_neg)
+    return ratio, (mask.sum(1) > 0) & ~below & ~above, below, above
+
+
+def mismatch_metrics(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor,
+                     is_cap: float = 2.0) -> dict:
+    """On the sampled tokens: k3 KL(pi_behav || pi_prox), mean |log pi_prox - log pi_behav|, max
+    w = pi_prox / pi_behav, the share of w above C (what TIS truncates)."""
+    log_w = (logp_prox - logp_behav).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio_max = 1.0
+    if mask.any():
+        ratio_max = float(log_w.masked_fill(mask == 0, -math.inf).max().exp())
+    return {"mismatch/kl": float(masked_mean(k3(log_w), mask)),
+            "mismatch/logp_absdiff": float(masked_mean(log_w.abs(), mask)),
+            "mismatch/ratio_max": ratio_max,
+            "mismatch/w_truncated": float(masked_mean((log_w > math.log(is_cap)).float(), mask))}
 
 
 # ==================== APPENDIX: plumbing (flags, data, model, runs)
