@@ -1,25 +1,25 @@
 """qurl: quantized-rollout reinforcement learning for LLM reasoning, in one file.
 
 QuRL (arXiv 2602.13953) draws RL rollouts from a quantized copy of the model (the *sampler*:
-W8A8 FP8 or INT8, W4A16 NF4, re-synced every step) and trains the fp32 model (the *actor*), as
-QaRL (arXiv 2604.07853) does. The tokens are then off-policy, so the loss knows three policies:
+W8A8 FP8 or INT8, W4A16 NF4, re-synced every RL step) and trains the fp32 model (the *actor*),
+as QaRL (arXiv 2604.07853) does. The tokens are off-policy, so the loss knows three policies:
 
-    logp_behav  pi_behav  the sampler that drew the tokens     (`sample`, as it draws)
-    logp_prox   pi_prox   the actor before this step's update  (`update`; aligned: logp_behav)
-    logp        pi_theta  the actor being trained              (`token_logprobs`, with grad)
+    logp_behav  pi_behav  the sampler that drew the tokens (`sample`, as it draws)
+    logp_prox   pi_prox   the actor before the RL step's updates (`update`: the first
+                          mini-batch's forward, detached; --align-forward: logp_behav)
+    logp        pi_theta  the actor being trained (`token_logprobs`, with grad)
 
-Where each equation lives:
+Where each equation lives, in the order an RL step (`train_step`) reaches it:
+    sync_weights         the sampler <- the actor; its flip rate (QuRL's weight-update problem)
+    QuantLinear          the sampler's FP8 / INT8 / NF4 linear (fp8_matmul: its FP8 kernel)
+    invariant_rescale    W x = (W / s)(s x), once before RL (QuRL Eq. 11-12)
     group_advantages     GRPO: A_i = (reward_i - mean) / (std + 1e-6) within a group
+    aligned_linear       QaRL's rollout-aligned forward (its value: departure 6)
     token_loss("naive")  PPO on pi_theta / pi_behav, the sampler as the old policy (QuRL Eq. 3)
     token_loss("tis")    ratio = pi_theta / pi_prox, w = min(pi_prox / pi_behav, C) (QuRL Eq. 5)
     token_loss("acr")    upper bound (1 + eps_high) / min(1, C pi_behav / pi_prox) (QuRL Eq. 9)
     tbpo_loss            TBPO's sequence ratio, capped weight and trust band (QaRL)
     k3                   k3 KL(pi_behav || pi_prox): the mismatch metric
-    QuantLinear          the sampler's FP8 / INT8 / NF4 linear (fp8_matmul: its FP8 kernel)
-    sync_weights         the weight sync; its flip rate (QuRL's weight-update problem)
-    invariant_rescale    W x = (W / s)(s x) (QuRL Eq. 11-12)
-    aligned_linear       QaRL's rollout-aligned forward (departure 6)
-    train_step, update   one RL step: rollout, pi_prox, PPO epochs
 
 Where qurl departs from the papers, and why:
     1. TBPO, not printed in full, is read as a geometric-mean sequence ratio, a sequence weight
@@ -30,9 +30,10 @@ Where qurl departs from the papers, and why:
        its mismatch is its quantizer's; an engine holds them in bf16.
     4. Groups whose rewards are all equal leave the update; the learning rate decays (cosine).
     5. Evaluation is greedy, of the actor (the model trained and saved).
-    6. --align-forward: logp's value is the sampler's (logp_behav; after an optimizer step,
-       `sampler_logprobs`), only its gradient QaRL's straight-through forward's: no full forward
-       computes a W8A8 decode's numbers. So pi_prox = pi_behav bit for bit.
+    6. --align-forward: logp's value is the sampler's log-probs (logp_behav; after each
+       optimizer step of the RL step, `sampler_logprobs`: the rollout's decode run again), only
+       its gradient QaRL's straight-through forward's: no full forward computes a W8A8 decode's
+       numbers. So pi_prox = pi_behav bit for bit.
 Run: python qurl.py --quant fp8 (README.md: a real Qwen on one GPU). Tests: python -m pytest -q
 """
 from __future__ import annotations
@@ -93,7 +94,7 @@ class Args:
     eps_high: float = arg(0.28, "PPO clip: ratio <= 1 + eps_high (DAPO's clip-higher)")
     is_cap: float = arg(2.0, "C: the cap of the importance weight w")
     tbpo_band: tuple[float, float, float] = arg(
-        (3e-4, 4e-4, 7e-4), "TBPO keeps 1-LO <= s_i <= 1+HI+ (A >= 0) or 1+HI- (A < 0)",
+        (3e-4, 4e-4, 7e-4), "TBPO keeps a sequence ratio in 1-LO..1+HI+ (A >= 0), 1+HI- (A < 0)",
         nargs=3, metavar=("LO", "HI+", "HI-"))
     steps: int = arg(900, "RL steps")
     prompts_per_step: int = arg(16, "distinct problems per step")
@@ -165,7 +166,7 @@ def train_step(learner, args, problems: list[dict], step: int) -> dict:
 
     prompts = [format_prompt(p["question"], learner.tokenizer) for p in problems]  # 2. rollout
     generate = compiled_sample if args.compile else sample
-    learner.actor.eval()
+    learner.actor.eval()  # if it samples (--quant none): no checkpointing in a decode
     with rollout_autocast(args.quant, device, learner.dtype):
         rollout = generate(learner.sampler, learner.tokenizer, prompts, G, args.max_new_tokens,
                            args.temperature, learner.generator)
@@ -205,7 +206,7 @@ def train_step(learner, args, problems: list[dict], step: int) -> dict:
 # ==================== THE METHOD, 2: the sampler: quantized weights, their sync, invariant scaling
 # `fmt`: a quantizer's format (fp8, int8, nf4); --quant also takes none, bf16, fp16 (no codes)
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-INT8_X_MAX = 2.0**14  # bitsandbytes takes fp16 activations (max 65504): larger rows scale
+INT8_X_MAX = 2.0**14  # bitsandbytes takes fp16 activations: rows above are halved, exactly
 NF4_BLOCK = 64  # weights per absmax block (QLoRA's NF4, QaRL's W4A16)
 
 
@@ -327,7 +328,7 @@ def quantize_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
     an output channel, a token)."""
     xf = x.detach().float()
     scale = xf.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
-    x8 = (xf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # may not saturate
+    x8 = (xf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # cast: no clamp
     return x8, scale
 
 
@@ -411,8 +412,8 @@ def quantized_copy(actor, fmt: str):
 @torch.no_grad()
 def invariant_rescale(model, s: float):
     """QuRL's update-aware quantization (Eq. 11-12), once before RL: W x = (W / s)(s x), q/k/v and
-    gate/up weights over s, their RMSNorms times s. W / s's grid is s times finer, Adam's steps
-    as large: more updates reach the sampler."""
+    gate/up weights over s, their RMSNorms times s. W / s's grid is s times finer, Adam's updates
+    as large: more of them reach the sampler."""
     if type(model).__name__ not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"):
         raise QurlError(f"invariant scaling supports Qwen2, Qwen3 and Llama, not "
                         f"{type(model).__name__}: use --invariant-scale 1")
@@ -678,7 +679,7 @@ def aligned_linear(linear: nn.Linear, fmt: str, x: Tensor) -> Tensor:
 
 def fake_quant(x: Tensor, fmt: str) -> Tensor:
     """Quantize-dequantize in the sampler's format: the value quantized, the gradient identity."""
-    x2 = x if fmt == "nf4" else x.reshape(-1, x.shape[-1])  # W8A8: a row per token
+    x2 = x if fmt == "nf4" else x.reshape(-1, x.shape[-1])  # a row: a token, an output channel
     shift = int8_shift(x2) if fmt == "int8" else 1.0  # as the sampler handles overflow
     values = dequantize(*quantize(x2 / shift, fmt), fmt) * shift
     return x + (values.reshape(x.shape).to(x.dtype) - x).detach()
@@ -732,7 +733,7 @@ def update(learner, args, batch: dict, rollout: Rollout | None = None) -> tuple[
 
     logp_sampler = batch["logp_behav"]  # aligned: logp's value, the sampler's log-probs
     logs, skipped = [], 0
-    learner.optimizer.zero_grad()  # each mini-batch's gradient alone (then freed after its step)
+    learner.optimizer.zero_grad()  # then after each optimizer step (its memory freed)
     for epoch in range(args.ppo_epochs):
         for rows in mini_batches:
             mini, first = select(batch, rows), epoch == 0 and rows == mini_batches[0]
@@ -745,7 +746,7 @@ def update(learner, args, batch: dict, rollout: Rollout | None = None) -> tuple[
                 logp_prox[rows] = logp
 
             grad_norm = torch.nn.utils.clip_grad_norm_(learner.actor.parameters(), MAX_GRAD_NORM)
-            if finite and torch.isfinite(grad_norm):  # never step on NaN or inf
+            if finite and torch.isfinite(grad_norm):  # no optimizer step on NaN or inf
                 learner.optimizer.step()
                 torch.clear_autocast_cache()  # autocast keeps bf16 weights until its block ends
             else:
@@ -770,11 +771,10 @@ def _batches(n_rows: int, n_parts: int) -> list[slice]:
 def sampler_logprobs(learner, args, rollout: Rollout) -> Tensor:
     """The sampler's (B, R) log-probs of the rollout's tokens at the actor's weights: re-synced,
     it runs the rollout's decode again fed the tokens (all rows, the same path). No other decode
-    computes its numbers: GEMMs round by row count, and activation codes turn a bit into a step."""
+    computes its numbers: GEMMs round by row count, and activation codes make a bit a code."""
     if learner.rollout_codes is None:  # the next sync counts flips from the rollout's codes
-        learner.rollout_codes = {f"{name}.{key}": value.clone()  # weight_q, weight_scale; weight
-                                 for name, module in decoder_linears(learner.sampler)
-                                 for key, value in module.state_dict().items() if "weight" in key}
+        state = learner.sampler.state_dict().items()
+        learner.rollout_codes = {k: v.clone() for k, v in state if ".layers." in k}
     sync_weights(learner.sampler, learner.actor)
     G, P = args.group_size, rollout.prompt_len
     decode_fed = compiled_decode if args.compile else decode
@@ -787,11 +787,11 @@ def sampler_logprobs(learner, args, rollout: Rollout) -> Tensor:
 
 def backward_mini_batch(learner, args, mini: dict, logp_prox: Tensor | None,
                         logp_sampler: Tensor | None = None) -> tuple[dict, bool, Tensor]:
-    """A mini-batch's gradient over micro-batches, each loss over the mini-batch's denominator
-    (TBPO's, known after the forwards, divides the gradient: zero it first): the one-pass
-    gradient at a micro-batch's memory. logp_prox None: the forward's own. `logp_sampler`
-    (aligned): logp's value, its gradient the forward's. Returns (metrics, all finite, (b, R) logp
-    detached)."""
+    """A mini-batch's gradient, summed over micro-batches, each loss over the mini-batch's
+    denominator: the one-pass gradient at a micro-batch's memory (TBPO's denominator, known after
+    the forwards, divides the sum: start at zero). logp_prox None: the forward's own.
+    `logp_sampler` (aligned): logp's value, its gradient the forward's. Returns (metrics, all
+    finite, (b, R) logp detached)."""
     mask = mini["response_mask"]  # (b, R)
     micro_batches = [slice(i, i + args.micro_batch) for i in range(0, len(mask), args.micro_batch)]
     loss_fn = functools.partial(token_loss, kind=args.loss, eps_low=args.eps_low,
@@ -906,14 +906,15 @@ def tbpo_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, 
 
 def tbpo_ratio(logp: Tensor, logp_prox: Tensor, adv: Tensor, mask: Tensor,
                tbpo_band: tuple[float, float, float]) -> tuple[Tensor, ...]:
-    """TBPO's sequence ratio s_i = exp(mean_t log pi_theta / pi_prox) (geometric, as GSPO), and
-    (B,) in_band, below, above. A >= 0 below 1 - LO stays: min(s A, clip(s) A) = s A pushes up."""
+    """TBPO's (B,) sequence ratios exp(mean_t log pi_theta / pi_prox) (geometric, as GSPO) and
+    in_band, below, above. Below 1 - LO with A >= 0 a sequence stays: its loss min(ratio A,
+    clip(ratio) A) is ratio A there, whose gradient raises the ratio back."""
     lo, hi_pos, hi_neg = tbpo_band
     log_ratio = masked_mean(logp - logp_prox.detach(), mask, dim=1)
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-    s = ratio.detach()
-    below = (adv < 0) & (s < 1 - lo)
-    above = torch.where(adv >= 0, s > 1 + hi_pos, s > 1 + hi_neg)
+    held = ratio.detach()
+    below = (adv < 0) & (held < 1 - lo)
+    above = torch.where(adv >= 0, held > 1 + hi_pos, held > 1 + hi_neg)
     return ratio, (mask.sum(1) > 0) & ~below & ~above, below, above
 
 
@@ -1336,16 +1337,14 @@ def compiled_sample(model, tokenizer, prompts, n=1, max_new_tokens=64, temperatu
                     generator=None) -> Rollout:
     """`sample` by compiled layers, ~10 kernels a layer, not ~50 (on a GPU a CUDA graph a token):
     its tokens, log-probs up to float sums."""
-    input_ids, prompt_mask = encode(tokenizer, prompts, model.device, 64)  # few shapes
-    return compiled_decode(model, tokenizer, input_ids, prompt_mask, n, max_new_tokens,
-                           temperature, generator)
+    prompts = encode(tokenizer, prompts, model.device, 64)  # ids, mask: few shapes
+    return compiled_decode(model, tokenizer, *prompts, n, max_new_tokens, temperature, generator)
 
 
 @torch.no_grad()
 def compiled_decode(model, tokenizer, input_ids, prompt_mask, n, max_new_tokens, temperature,
                     generator=None, forced=None) -> Rollout:
-    """`decode` by a `StaticDecoder` (fed or drawing: the same graphs); else `decode`, said
-    once."""
+    """`decode` by a `StaticDecoder`, fed too (its graphs); else `decode`, said once."""
     decoders = DECODERS.setdefault(model, {})
     key = (len(input_ids) * n, input_ids.shape[1], max_new_tokens, temperature)
     try:
@@ -1367,8 +1366,8 @@ def compiled_decode(model, tokenizer, input_ids, prompt_mask, n, max_new_tokens,
 @torch.no_grad()
 def fuse(linears):
     """One linear for several on one input (vLLM's QKVParallelLinear): one GEMM, one activation
-    quantization. Per-row codes and scales, stacked, are the fused ones: the parts become views
-    of its rows, refreshed by a sync."""
+    quantization. Per-row codes and scales stack; the parts become views of its rows (a sync
+    refreshes both)."""
     fused = copy.deepcopy(linears[0])  # NF4's state holds its absmax: it follows
     for name, whole in [*fused.named_parameters(), *fused.named_buffers()]:
         parts = [getattr(linear, name) for linear in linears]
@@ -1394,6 +1393,7 @@ class StaticDecoder:
             if layer not in FUSED:
                 FUSED[layer] = (fuse([attention.q_proj, attention.k_proj, attention.v_proj]),
                                 fuse([mlp.gate_proj, mlp.up_proj]))
+        attention = model.model.layers[0].self_attn  # every layer's shapes
         self.prompt_len, self.temperature = prompt_len, temperature
         self.pad = tokenizer.pad_token_id  # (a tokenizer's property breaks graphs)
         self.stop_ids = torch.tensor(stop_token_ids(model, tokenizer), device=device)
@@ -1409,7 +1409,7 @@ class StaticDecoder:
         self.rope = [table[0] for table in angles]  # (L, D) cos, sin (compiled ones round apart)
         self.valid = torch.ones(n_rows, L, dtype=torch.bool, device=device)  # not left padding
         self.noise = torch.ones(n_rows, len(weight), device=device)  # (B, V) for `_pick`
-        self.replay = None  # `decode_one_token`, `graphed` at first use
+        self.replay = None  # `decode_one_token` `graphed` at first use
 
         compiled = functools.partial(torch.compile, dynamic=False, fullgraph=True,  # or an error
                                      options={"emulate_precision_casts": True})  # eager rounding
@@ -1458,8 +1458,8 @@ class StaticDecoder:
         return self.draw(model, x, column, fed, end, done)
 
     def forward(self, model, ids, columns, rows=slice(None)):
-        """(b, S) tokens at cache `columns` through the layers (K, V into the cache's `rows`):
-        the last position's output."""
+        """(b, S) tokens at cache `columns` through the layers, K, V into the cache's `rows`: the
+        last position's output."""
         x, cos, sin, visible = self.embed(model, ids, columns, rows)
         for i, layer in enumerate(model.model.layers):
             x = self.layer(layer, *FUSED[layer], x, cos, sin, self.k_cache[i, rows],
@@ -1483,9 +1483,9 @@ class StaticDecoder:
 
 
 def graphed(fn, model, *inputs):
-    """fn as a CUDA graph on a GPU: a call copies its arguments into `inputs`, replays, returns
-    the outputs (overwritten by the next). Two calls on these real inputs (on a CPU too) compile
-    it first: fn must be idempotent."""
+    """fn as a CUDA graph on a GPU: a call copies its arguments into `inputs`, replays and returns
+    the outputs (the next call overwrites them). Two idempotent calls on `inputs` (on a CPU too)
+    compile it first."""
     stream = torch.cuda.Stream() if inputs[0].is_cuda else None
     if stream:
         stream.wait_stream(torch.cuda.current_stream())
@@ -1500,8 +1500,8 @@ def graphed(fn, model, *inputs):
         outputs = fn(model, *inputs)
 
     def replay(model, *args):
-        for static, arg in zip(inputs, args):
-            static.copy_(arg)  # (a no-op on itself)
+        for static, value in zip(inputs, args):
+            static.copy_(value)  # (a no-op on itself)
         graph.replay()
         return outputs
     return replay
@@ -1515,7 +1515,7 @@ def _rope(x, cos, sin):
 
 def decoder_layer(layer, qkv_proj, gate_up_proj, x, cos, sin, k_cache, v_cache, columns, visible):
     """A Llama/Qwen layer over (B, S, hidden) tokens, K, V written at `columns` of its (B, H_kv,
-    L, D) cache; a K/V head's queries are rows of one attention (repeat_kv copies the cache)."""
+    L, D) cache; a K/V head's queries share one attention (repeat_kv would copy the cache)."""
     attention, (B, S, _), (H_kv, D) = layer.self_attn, x.shape, k_cache.shape[1::2]
     qkv = qkv_proj(layer.input_layernorm(x)).view(B, S, -1, D).transpose(1, 2)
     q, k, v = qkv.split([qkv.shape[1] - 2 * H_kv, H_kv, H_kv], 1)  # (B, H or H_kv, S, D)
