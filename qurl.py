@@ -14,7 +14,7 @@ Where each equation lives, in the order an RL step (`train_step`) reaches it:
     QuantLinear          the sampler's FP8 / INT8 / NF4 linear (fp8_matmul: its FP8 kernel)
     invariant_rescale    W x = (W / s)(s x), once before RL (QuRL Eq. 11-12)
     group_advantages     GRPO: A_i = (reward_i - mean) / (std + 1e-6) within a group
-    aligned_linear       QaRL's rollout-aligned forward (its value: departure 6)
+    aligned_linear       QaRL's rollout-aligned forward (its value: departure 5)
     token_loss("naive")  PPO on pi_theta / pi_behav, the sampler as the old policy (QuRL Eq. 3)
     token_loss("tis")    ratio = pi_theta / pi_prox, w = min(pi_prox / pi_behav, C) (QuRL Eq. 5)
     token_loss("acr")    upper bound (1 + eps_high) / min(1, C pi_behav / pi_prox) (QuRL Eq. 9)
@@ -24,16 +24,15 @@ Where each equation lives, in the order an RL step (`train_step`) reaches it:
 Where qurl departs from the papers, and why:
     1. TBPO, not printed in full, is read as a geometric-mean sequence ratio, a sequence weight
        capped at --is-cap, and out-of-band sequences dropped from the loss and its denominator.
-    2. One update per rollout is the default (the tiny model learns best so): pi_theta = pi_prox
-       at the update, so the PPO clip, ACR and TBPO's band never bind (--mini-batches 4 shows them).
+    2. One update per rollout by default (the tiny model learns best so): pi_theta = pi_prox at
+       the update, so the PPO clip, ACR and TBPO's band never bind (--mini-batches 4 shows them).
     3. The sampler keeps its unquantized parts (lm_head aside) in fp32 under the actor's autocast:
        its mismatch is its quantizer's; an engine holds them in bf16.
-    4. Groups whose rewards are all equal leave the update; the learning rate decays (cosine).
-    5. Evaluation is greedy, of the actor (the model trained and saved).
-    6. --align-forward: logp's value is the sampler's log-probs (logp_behav; after each
-       optimizer step of the RL step, `sampler_logprobs`: the rollout's decode run again), only
-       its gradient QaRL's straight-through forward's: no full forward computes a W8A8 decode's
-       numbers. So pi_prox = pi_behav bit for bit.
+    4. Groups whose rewards are all equal leave the update; the learning rate decays (cosine);
+       evaluation is the actor's, greedy.
+    5. --align-forward: logp's value is the sampler's log-probs (logp_behav; after an optimizer
+       step, `sampler_logprobs`: the rollout's decode again), its gradient QaRL's straight-through
+       forward's: no full forward computes a W8A8 decode's numbers. pi_prox = pi_behav exactly.
 Run: python qurl.py --quant fp8 (README.md: a real Qwen on one GPU). Tests: python -m pytest -q
 """
 from __future__ import annotations
@@ -144,23 +143,11 @@ def train(args) -> dict:
     return finish_run(learner, run, args)
 
 
-@dataclass
-class Learner:
-    """What an RL step touches."""
-    actor: nn.Module  # fp32 master weights
-    optimizer: torch.optim.Optimizer  # AdamW, fp32 state
-    sampler: nn.Module  # the rollout's copy (--quant none: the actor)
-    tokenizer: object
-    generator: torch.Generator  # the sampler's random numbers
-    dtype: torch.dtype  # the compute dtype
-    rollout_codes: dict | None = None  # aligned: the sampler's codes before `update` re-syncs it
-
-
 def train_step(learner, args, problems: list[dict], step: int) -> dict:
     """One RL step: sync, rollout, rewards, advantages, pi_prox, update. Returns its metrics."""
     start = time.time()
     G, device = args.group_size, learner.generator.device
-    if learner.rollout_codes:  # 1. sync, its flips counted from the last rollout's codes
+    if learner.rollout_codes:  # 1. sync; flips count from the last rollout's codes
         learner.sampler.load_state_dict(learner.rollout_codes, strict=False)
     flip_rate, learner.rollout_codes = sync_weights(learner.sampler, learner.actor), None
 
@@ -484,9 +471,7 @@ def decode(model, tokenizer, input_ids: Tensor, prompt_mask: Tensor, n: int, max
     position = attention_mask.sum(-1)  # (B,): the next RoPE position
 
     tokens = torch.full((B, max_new_tokens), pad, device=device)  # (B, R) by output row
-    fed = torch.full_like(tokens, -1)  # -1: drawn
-    if forced is not None:
-        fed[:, :forced.shape[1]] = forced
+    fed = _fed(forced, tokens)
     logp_behav = torch.zeros(B, max_new_tokens, device=device)
     end = torch.full((B,), max_new_tokens, device=device)  # the first EOS's index
     out_rows = torch.arange(B, device=device)  # batch row -> output row
@@ -517,6 +502,14 @@ def decode(model, tokenizer, input_ids: Tensor, prompt_mask: Tensor, n: int, max
         position = position + 1
     R = t + 1
     return _finish(tokenizer, input_ids, prompt_mask, n, tokens[:, :R], logp_behav[:, :R], end)
+
+
+def _fed(forced: Tensor | None, tokens: Tensor) -> Tensor:
+    """Both decodes' (B, R) tokens to take, `forced` in its columns; -1: draw."""
+    fed = torch.full_like(tokens, -1)
+    if forced is not None:
+        fed[:, :forced.shape[1]] = forced
+    return fed
 
 
 def _prefill(model, tokenizer, input_ids: Tensor, attention_mask: Tensor):
@@ -722,8 +715,7 @@ MAX_GRAD_NORM = 1.0
 
 def update(learner, args, batch: dict, rollout: Rollout | None = None) -> tuple[dict, Tensor]:
     """--ppo-epochs passes of --mini-batches optimizer steps over rows (`row`) of `rollout`.
-    Returns the mean metrics and pi_prox (B, R), the actor's before any step: the first
-    mini-batch's forward detached, a no-grad forward the rest (aligned: pi_behav)."""
+    Returns the mean metrics and pi_prox (B, R), the actor's before them (aligned: pi_behav)."""
     mini_batches = _batches(len(batch["input_ids"]), args.mini_batches)
     logp_prox = batch["logp_behav"].clone()  # (B, R)
     if len(mini_batches) > 1 and not args.align_forward:
@@ -787,11 +779,10 @@ def sampler_logprobs(learner, args, rollout: Rollout) -> Tensor:
 
 def backward_mini_batch(learner, args, mini: dict, logp_prox: Tensor | None,
                         logp_sampler: Tensor | None = None) -> tuple[dict, bool, Tensor]:
-    """A mini-batch's gradient, summed over micro-batches, each loss over the mini-batch's
-    denominator: the one-pass gradient at a micro-batch's memory (TBPO's denominator, known after
-    the forwards, divides the sum: start at zero). logp_prox None: the forward's own.
-    `logp_sampler` (aligned): logp's value, its gradient the forward's. Returns (metrics, all
-    finite, (b, R) logp detached)."""
+    """A mini-batch's gradient summed over micro-batches, each loss over the mini-batch's
+    denominator (TBPO's, known after the forwards, divides the sum): the one-pass gradient at a
+    micro-batch's memory. logp_prox None: the forward's; `logp_sampler` (aligned): logp's value,
+    the gradient the forward's. Returns (metrics, all finite, (b, R) logp detached)."""
     mask = mini["response_mask"]  # (b, R)
     micro_batches = [slice(i, i + args.micro_batch) for i in range(0, len(mask), args.micro_batch)]
     loss_fn = functools.partial(token_loss, kind=args.loss, eps_low=args.eps_low,
@@ -838,7 +829,7 @@ def token_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor,
                denom: Tensor | float | None = None) -> tuple[Tensor, dict]:
     """Token objectives over (B, R) log-probs, (B,) adv, (B, R) mask: naive clips pi_theta /
     pi_behav; tis clips pi_theta / pi_prox, weighted by w = min(pi_prox / pi_behav, C); acr widens
-    the upper bound where w is cut. The mask's mean (DAPO) or sum / `denom`."""
+    the upper bound where w is cut. The mask's mean (DAPO), or sum / `denom`."""
     logp_prox, logp_behav = logp_prox.detach(), logp_behav.detach()
     adv = adv.detach().to(logp.dtype)[:, None]  # a token takes its sequence's advantage
     mask = mask.to(logp.dtype)
@@ -906,9 +897,9 @@ def tbpo_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor, 
 
 def tbpo_ratio(logp: Tensor, logp_prox: Tensor, adv: Tensor, mask: Tensor,
                tbpo_band: tuple[float, float, float]) -> tuple[Tensor, ...]:
-    """TBPO's (B,) sequence ratios exp(mean_t log pi_theta / pi_prox) (geometric, as GSPO) and
-    in_band, below, above. Below 1 - LO with A >= 0 a sequence stays: its loss min(ratio A,
-    clip(ratio) A) is ratio A there, whose gradient raises the ratio back."""
+    """TBPO's (B,) sequence ratios exp(mean_t log pi_theta / pi_prox) (as GSPO's), in_band, below,
+    above. A >= 0 below 1 - LO stays in band: there its loss min(ratio A, clip(ratio) A) is ratio A,
+    whose gradient raises the ratio."""
     lo, hi_pos, hi_neg = tbpo_band
     log_ratio = masked_mean(logp - logp_prox.detach(), mask, dim=1)
     ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
@@ -940,6 +931,18 @@ METRIC_KEYS = ["step", "quant/flip_rate", "reward/mean", "reward/zero_std_groups
                "guard/skipped", "perf/rollout_tok_s", "perf/step_s", "perf/rollout_frac", "opt/lr",
                "eval/acc"]
 LOG_EVERY, SAVE_EVERY = 10, 50  # steps between progress lines, checkpoints
+
+
+@dataclass
+class Learner:
+    """What an RL step touches."""
+    actor: nn.Module  # fp32 master weights
+    optimizer: torch.optim.Optimizer  # AdamW, fp32 state
+    sampler: nn.Module  # the rollout's copy (--quant none: the actor)
+    tokenizer: object
+    generator: torch.Generator  # the sampler's random numbers
+    dtype: torch.dtype  # the compute dtype
+    rollout_codes: dict | None = None  # aligned: the sampler's codes before `update` re-syncs it
 
 
 @dataclass
@@ -1383,8 +1386,8 @@ def fuse(linears):
 
 
 class StaticDecoder:
-    """B rows in a static KV cache of L = P + R columns, one compiled graph for all layers;
-    buffers at fixed addresses for a CUDA graph."""
+    """B rows in a static KV cache of L = P + R columns, one compiled graph for every layer,
+    buffers at fixed addresses (a CUDA graph's)."""
 
     def __init__(self, model, tokenizer, n_rows, prompt_len, max_new_tokens, temperature):
         device = model.device
@@ -1421,9 +1424,7 @@ class StaticDecoder:
         logp = torch.zeros_like(tokens, dtype=torch.float)
         end = torch.full_like(tokens[:, 0], tokens.shape[1])  # (B,) no EOS
         done = torch.zeros_like(end, dtype=torch.bool)
-        fed = torch.full_like(tokens, -1)  # -1: drawn
-        if forced is not None:
-            fed[:, :forced.shape[1]] = forced
+        fed = _fed(forced, tokens)
         self.valid[:, :self.prompt_len] = prompt_mask.repeat_interleave(n, 0).bool()
         column = torch.full((1,), self.prompt_len, device=input_ids.device)  # next token's
 

@@ -37,8 +37,8 @@ def estimate_memory(
     dtypes the sampler keeps it (under autocast transformers keeps K, rotated by fp32 cos/sin, in
     fp32 and V in the compute dtype; --compile keeps both in the compute dtype; a bf16/fp16 copy
     in its own) and one decode step's logits. `codes_kept` (--align-forward with several
-    optimizer steps a rollout): the update keeps a copy of the sampler's decoder codes (and
-    scales) for the next flip rate, held from the first re-sync to the next step's sync."""
+    optimizer steps a rollout): the update keeps a copy of the sampler's decoder layers (codes;
+    their scales and norms, left out here) for the next flip rate, until the next RL step's sync."""
     c = model.config
     h, n_layers = c.hidden_size, c.num_hidden_layers
     inter, vocab = c.intermediate_size, c.vocab_size
