@@ -88,194 +88,127 @@ def assert_one_line_error(res, *needles):
     return lines[0]
 
 # ==================================================================================================
-# The method, 1: data format and reward
+# The method, 1: the loop and one RL step (end to end, evaluation)
 # ==================================================================================================
-REWARD_CASES = [
-    ("37+48=85\n#### 85", "85", 1.0),
-    ("37+48=85\n#### 86", "85", 0.0),
-    ("#### -11", "-11", 1.0),
-    ("5-16=-11\n#### -11", "-11", 1.0),
-    ("5-16=11\n#### 11", "-11", 0.0),
-    ("The total is 1,234 dollars.\n#### 1,234", "1234", 1.0),
-    ("#### $1,234.00", "1234", 1.0),
-    ("#### 3.50", "3.5", 1.0),
-    ("#### 3.5", "3.50", 1.0),
-    ("#### 3.51", "3.5", 0.0),
-    ("She earns $18 a day.\n#### 18 dollars", "18", 1.0),
-    ("#### 18 eggs", "18", 1.0),
-    ("So the answer is \\boxed{42}.", "42", 1.0),
-    ("\\boxed{\\frac{3}{4}}", "3/4", 1.0),
-    ("\\boxed{\\frac{3}{4}}", "0.75", 1.0),
-    ("\\boxed{\\dfrac{1}{2}}", "2/4", 1.0),
-    ("First 2, then 7, so \\boxed{7}", "7", 1.0),
-    ("\\boxed{x+1}", "x + 1", 1.0),
-    ("\\boxed{\\text{Monday}}", "monday", 1.0),
-    ("The answer is 17.", "17", 1.0),
-    ("the answer is: -4", "-4", 1.0),
-    ("The answer is $25.", "25", 1.0),
-    ("I think 3 + 4 = 7, and 7 * 2 = 14", "14", 1.0),    # last number
-    ("There were 12 apples, 5 eaten, so 7 remain", "7", 1.0),
-    # distractor number before the answer
-    ("There were 12 apples, 5 eaten, so 7 remain", "12", 0.0),
-    ("We have 10 and 20 and then #### 30", "30", 1.0),         # '####' wins over earlier numbers
-    ("#### 30\nbut actually 31", "30", 1.0),                   # only the '####' line counts
-    ("I don't know.", "5", 0.0),                               # no answer at all
-    ("", "5", 0.0),
-    ("####", "5", 0.0),                                        # marker without a value
-    ("#### 1/2", "0.5", 1.0),
-    ("The answer is 0.5", "1/2", 1.0),
-    ("#### 100%", "100", 1.0),
-    ("#### 7.0", "7", 1.0),
-    ("Total: 2,000,000\n#### 2,000,000", "2000000", 1.0),
-    ("#### -0.25", "-1/4", 1.0),
-]
-
-
-@pytest.mark.parametrize("completion,gold,expected", REWARD_CASES)
-def test_reward(completion, gold, expected):
-    """`reward` through `extract_answer`'s three tiers, `_normalize` and `_last_number`."""
-    assert qurl.reward(completion, gold) == expected
-
-
-# Five lines in GSM8K's real format (the test split: worked solution with <<calculator>> tags, '####
-# value').
-GSM8K_FIXTURE = [
-    {"question": "Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning "
-                 "and bakes muffins for her friends every day with four. She sells the remainder "
-                 "at the farmers' market daily for $2 per fresh duck egg. How much in dollars does "
-                 "she make every day at the farmers' market?",
-     "answer": "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = "
-               "$<<9*2=18>>18 every day at the farmer's market.\n#### 18"},
-    {"question": "Josh decides to try flipping a house.  He buys a house for $80,000 and then puts "
-                 "in $50,000 in repairs.  This increased the value of the house by 150%.  How much "
-                 "profit did he make?",
-     "answer": "The cost of the house and repairs came out to "
-               "80,000+50,000=$<<80000+50000=130000>>130,000\nHe increased the value of the house "
-               "by 80,000*1.5=<<80000*1.5=120000>>120,000\nSo the new value of the house is "
-               "120,000+80,000=$<<120000+80000=200000>>200,000\nSo he made a profit of "
-               "200,000-130,000=$<<200000-130000=70000>>70,000\n#### 70000"},
-    {"question": "A robe takes 2 bolts of blue fiber and half that much white fiber.  How many "
-                 "bolts in total?",
-     "answer": "It takes 2/2=<<2/2=1>>1 bolt of white fiber\nSo the total amount of fabric is "
-               "2+1=<<2+1=3>>3 bolts of fabric\n#### 3"},
-    {"question": "A shop sells pens at $1.25 each. How much do 6 pens cost?",
-     "answer": "6 pens cost 6*1.25=<<6*1.25=7.5>>7.5\n#### 7.5"},
-    {"question": "The temperature was 5 degrees and fell by 12 degrees. What is it now?",
-     "answer": "5-12=<<5-12=-7>>-7\n#### -7"},
-]
-
-
-def test_gsm8k_format_golds_parse(tmp_path):
-    f = tmp_path / "gsm8k_sample.jsonl"
-    f.write_text("".join(json.dumps(r) + "\n" for r in GSM8K_FIXTURE))
-    probs = qurl.load_problems(str(f))
-    assert [p["gold"] for p in probs] == ["18", "70000", "3", "7.5", "-7"]
-    # the full worked solution earns the reward against its own gold
-    for p, r in zip(probs, GSM8K_FIXTURE):
-        assert qurl.reward(r["answer"], p["gold"]) == 1.0
-
-
-def test_embedded_data_format():
-    for name, n in (("arith_train.jsonl", 20_000), ("arith_test.jsonl", 500)):
-        rows = [json.loads(l) for l in (HERE / "data" / name).read_text().splitlines()]
-        assert len(rows) == n and all("####" in r["answer"] for r in rows)
-    train_q = {
-        json.loads(l)["question"]
-        for l in (HERE / "data/arith_train.jsonl").read_text().splitlines()
-    }
-    test_q = {
-        json.loads(l)["question"] for l in (HERE / "data/arith_test.jsonl").read_text().splitlines()
-    }
-    assert not train_q & test_q
-    kinds = {q.count("+") * 10 + q.count("-") + 100 * q.count("*") for q in test_q}
-    assert kinds == {10, 1, 100, 11}  # a+b, a-b, a*b, a+b-c
-
-
-def _script(path: Path, name: str):
-    """A script of the project (not a package) imported as a module."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-@pytest.fixture(scope="module")
-def mt():
-    return _script(HERE / "data" / "make_tiny.py", "make_tiny")
-
-
-def test_slipped_demonstrations_are_the_classic_carry_and_borrow_errors(mt):
-    assert mt.slip("What is 48 + 26?") == ("48+26=64", 64)            # 8+6=14: the 1 is not carried
-    # 2-7 needs a borrow: the 5 stays a 5
-    assert mt.slip("What is 52 - 27?") == ("52-27=35", 35)
-    assert mt.slip("What is 27 - 52?") == ("27-52=-35", -35)          # same slip on the magnitude
-    assert mt.slip("What is 47 * 6?") == ("47*6=242", 242)            # 7*6=42: the 4 is not carried
-    assert mt.slip("What is 58 + 15 - 9?") == ("58+15=63, 63-9=54", 54)
-    for q in ("What is 12 + 7?", "What is 57 - 23?", "What is 41 * 2?", "What is 12 + 7 - 50?"):
-        # no carry or borrow: nothing to slip
-        assert mt.slip(q) is None
-    train = [json.loads(l) for l in (HERE / "data/arith_train.jsonl").read_text().splitlines()]
-    demos = mt.noisy_demonstrations(train)
-    eligible = [i for i, p in enumerate(train) if mt.slip(p["question"])]
-    slipped = [i for i in eligible if demos[i]["answer"] != train[i]["answer"]]
-    assert abs(len(slipped) / len(eligible) - mt.P_SLIP) < 0.02
-    assert all(d == p for d, p in zip(demos, train) if mt.slip(p["question"]) is None)
-    for i in slipped[:50]:  # a slipped demonstration fails the reward that RL later uses
-        assert qurl.reward(demos[i]["answer"], qurl.extract_answer(train[i]["answer"])) == 0.0
-
-
-def test_warm_start_answers_with_the_slip(tiny, problems, mt):
-    """The documented starting point: on problems with a carry or a borrow, the warm start's
-    greedy answer is mostly the slipped one, so RL has an error to remove (README: 64 % of them
-    at the warm start)."""
-    model, tok = tiny
-    elig = [p for p in problems if mt.slip(p["question"])][:100]
-    ro = qurl.sample(
-        model,
-        tok,
-        [qurl.format_prompt(p["question"], tok) for p in elig],
-        n=1,
-        max_new_tokens=32,
-        temperature=0.0,
+def _small_args(tmp_path, **kw):
+    base = dict(
+        steps=2,
+        prompts_per_step=4,
+        group_size=4,
+        max_new_tokens=24,
+        eval_every=2,
+        eval_size=20,
+        out_dir=str(tmp_path),
     )
-    as_slip = sum(
-        qurl.reward(t, str(mt.slip(p["question"])[1])) for t, p in zip(ro.texts, elig)
-    ) / len(elig)
-    right = sum(qurl.reward(t, p["gold"]) for t, p in zip(ro.texts, elig)) / len(elig)
-    assert as_slip > 0.4 and right < 0.2, (as_slip, right)
+    base.update(kw)
+    return qurl.Args(**base)
 
 
-def test_tiny_model_offline_roundtrip_and_band(tiny, problems):
-    model, tok = tiny
-    text = "Q: What is 12 + 7?\nA: 12+7=19\n#### 19 \u00e9"
-    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
-    assert tok.pad_token_id == tok.eos_token_id  # the pitfall the masks must survive
-    assert 3e5 <= sum(p.numel() for p in model.parameters()) <= 3e6
-    acc = qurl.evaluate(model, tok, problems[:100], max_new_tokens=32)
-    assert 0.20 <= acc <= 0.60, acc
+@pytest.mark.parametrize(
+    "quant,loss,extra",
+    [
+        ("none", "tis", {}),
+        ("int8", "acr", {}),
+        ("fp8", "acr", {}),
+        ("fp8", "naive", {}),
+        ("fp8", "tis", {}),
+        ("fp8", "tbpo", {}),
+        ("fp8", "tbpo", {"align_forward": True}),
+        ("nf4", "naive", {}),
+        ("nf4", "tbpo", {"align_forward": True, "mini_batches": 2, "dtype": "bfloat16"}),
+        ("int8", "acr", {"ppo_epochs": 2, "mini_batches": 2, "lr": 1e-3}),
+    ],
+)
+def test_end_to_end(tmp_path, tiny, quant, loss, extra):
+    args = _small_args(tmp_path, quant=quant, loss=loss, run_name="r", **extra)
+    qurl.train(args)
+    rows = [json.loads(l) for l in (tmp_path / "r/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        # every metric, and only those
+        assert set(r) == set(qurl.METRIC_KEYS), set(r) ^ set(qurl.METRIC_KEYS)
+        assert all(v is None or math.isfinite(v) for v in r.values())
+    assert rows[-1]["eval/acc"] is not None
+    # cosine, 2 steps: cos(0), cos(pi/2)
+    assert [r["opt/lr"] for r in rows] == pytest.approx([args.lr, args.lr / 2])
+    final = torch.load(tmp_path / "r/ckpt.pt", weights_only=False)["actor"]
+    init = tiny[0].state_dict()
+    assert any(not torch.equal(final[k], init[k]) for k in init)  # the weights moved
+    if quant != "none":
+        # synced before each rollout
+        assert rows[0]["quant/flip_rate"] == 0.0 and rows[1]["quant/flip_rate"] > 0
 
 
-def test_format_prompt_plain_and_chat(tiny):
-    _, tok = tiny
-    assert qurl.format_prompt("What is 1 + 1?", tok) == "Q: What is 1 + 1?\nA: "
+@CUDA
+@pytest.mark.parametrize("quant", ["fp8", "int8", "nf4", "none"])
+def test_cuda_two_step_rl(tmp_path, quant):
+    qurl.train(_small_args(tmp_path, run_name="c", quant=quant))
+    rows = [json.loads(l) for l in (tmp_path / "c/metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(v is None or math.isfinite(v) for r in rows for v in r.values())
 
-    class Chat:
-        chat_template = "x"
 
-        def apply_chat_template(self, msgs, tokenize, add_generation_prompt):
-            return "|".join(f"{m['role']}:{m['content']}" for m in msgs) + "|assistant:"
-
-    out = qurl.format_prompt("What is 1 + 1?", Chat())
+def test_bf16_keeps_small_updates_and_final_is_a_standard_checkpoint(tmp_path, tiny, problems):
+    """bf16 compute on fp32 masters: lr 1e-6 moves nearly every weight (bf16 parameters would
+    keep ~98 % of them), and final/ is an fp32 model on the original scale (invariant scaling
+    folded back) with the actor's function."""
+    from transformers import AutoModelForCausalLM
+    kw = dict(quant="fp8", dtype="bfloat16", lr=1e-6, lr_schedule="constant", eval_every=100)
+    qurl.train(_small_args(tmp_path, run_name="b3", steps=3, **kw))
+    qurl.train(_small_args(tmp_path, run_name="b0", steps=0, **kw))
+    f3, f0 = (AutoModelForCausalLM.from_pretrained(tmp_path / n / "final") for n in ("b3", "b0"))
+    dec = [n for n, _ in f3.named_parameters() if ".layers." in n and n.endswith("proj.weight")]
+    p3, p0 = dict(f3.named_parameters()), dict(f0.named_parameters())
+    moved = sum(int((p3[n] != p0[n]).sum()) for n in dec) / sum(p3[n].numel() for n in dec)
+    assert moved >= 0.9 and p3[dec[0]].dtype == torch.float32, moved
     assert (
-        out.startswith("system:")
-        and "####" in out
-        and out.endswith("user:What is 1 + 1?|assistant:")
+        json.loads((tmp_path / "b3/final/qurl.json").read_text())["invariant_scale_folded_back"]
+        == 1.5
     )
+    orig = dict(tiny[0].named_parameters())
+    for n in (
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.1.post_attention_layernorm.weight",
+    ):
+        assert _rel_err(p3[n].detach(), orig[n].detach()) < 0.01  # original scale, not 1.5x
+    # the training actor: scaled, at the last step
+    actor = qurl.load_model(TINY, "cpu", torch.float32)[0]
+    qurl.invariant_rescale(actor, 1.5)
+    actor.load_state_dict(torch.load(tmp_path / "b3/ckpt.pt", weights_only=False)["actor"])
+    enc = tiny[1](
+        [qurl.format_prompt(p["question"], tiny[1]) for p in problems[:8]],
+        return_tensors="pt",
+        padding=True,
+    )
+    with torch.no_grad():
+        assert _rel_err(f3(**enc).logits, actor(**enc).logits) < 1e-5
+
+
+def test_non_finite_updates_are_skipped(tmp_path, tiny, monkeypatch):
+    """A non-finite loss never reaches the weights: the update is skipped and counted."""
+    real = qurl.token_loss
+
+    def nan_loss(*a, **k):
+        loss, m = real(*a, **k)
+        return loss * float("nan"), m
+    monkeypatch.setattr(qurl, "token_loss", nan_loss)
+    qurl.train(_small_args(tmp_path, run_name="nan", steps=3, quant="none", prompts_per_step=8))
+    rows = _metrics(tmp_path / "nan/metrics.jsonl")
+    assert [row["guard/skipped"] for row in rows] == [1, 2, 3]
+    state = torch.load(tmp_path / "nan/ckpt.pt", weights_only=False)
+    init = tiny[0].state_dict()
+    assert state["step"] == 3 and all(torch.equal(state["actor"][k], init[k]) for k in init)
+
+
+def test_evaluate_reproduces_warmup_record(tiny, problems):
+    model, tok = tiny
+    rec = json.loads((HERE / "data/tiny-qwen/warmup.json").read_text())
+    acc = qurl.evaluate(model, tok, problems, max_new_tokens=rec["max_new_tokens"], batch_size=100)
+    assert abs(acc - rec["heldout_acc_500"]) <= 2 / 500, (acc, rec["heldout_acc_500"])
+
 
 # ==================================================================================================
-# The method, 2: quantization (against bitsandbytes' own dequantize, a hand NF4 table and a plain
-# fp32 linear)
+# The method, 2: the sampler (against bitsandbytes' own dequantize, a hand NF4 table and a plain
+# fp32 linear; the aligned forward's quantizer)
 # ==================================================================================================
 def quant_bytes(q_model) -> tuple[int, int]:
     """(bytes of weight codes + their scales (row scales, or NF4's block absmax), weights they
@@ -948,7 +881,7 @@ def test_precision_ladder_mismatch_and_flips_under_rollout_autocast(tiny, proble
 
 
 # ==================================================================================================
-# The method, 3 and 4: rollout and log-probs (against teacher-forced log-probs and model.generate)
+# The method, 3: the rollout and its log-probs (against teacher-forced log-probs and model.generate)
 # ==================================================================================================
 def _mixed_prompts(tok, problems, k=6):
     prompts = [qurl.format_prompt(p["question"], tok) for p in problems[:k]]
@@ -1178,7 +1111,419 @@ def test_sample_pads_left_whatever_the_tokenizer_says(tiny, problems):
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.logp_behav, b.logp_behav)
 
 # ==================================================================================================
-# The method, 5: advantages and losses (hand-computed references and an independent oracle)
+# The method, 4: the task and its reward (data format, answers)
+# ==================================================================================================
+REWARD_CASES = [
+    ("37+48=85\n#### 85", "85", 1.0),
+    ("37+48=85\n#### 86", "85", 0.0),
+    ("#### -11", "-11", 1.0),
+    ("5-16=-11\n#### -11", "-11", 1.0),
+    ("5-16=11\n#### 11", "-11", 0.0),
+    ("The total is 1,234 dollars.\n#### 1,234", "1234", 1.0),
+    ("#### $1,234.00", "1234", 1.0),
+    ("#### 3.50", "3.5", 1.0),
+    ("#### 3.5", "3.50", 1.0),
+    ("#### 3.51", "3.5", 0.0),
+    ("She earns $18 a day.\n#### 18 dollars", "18", 1.0),
+    ("#### 18 eggs", "18", 1.0),
+    ("So the answer is \\boxed{42}.", "42", 1.0),
+    ("\\boxed{\\frac{3}{4}}", "3/4", 1.0),
+    ("\\boxed{\\frac{3}{4}}", "0.75", 1.0),
+    ("\\boxed{\\dfrac{1}{2}}", "2/4", 1.0),
+    ("First 2, then 7, so \\boxed{7}", "7", 1.0),
+    ("\\boxed{x+1}", "x + 1", 1.0),
+    ("\\boxed{\\text{Monday}}", "monday", 1.0),
+    ("The answer is 17.", "17", 1.0),
+    ("the answer is: -4", "-4", 1.0),
+    ("The answer is $25.", "25", 1.0),
+    ("I think 3 + 4 = 7, and 7 * 2 = 14", "14", 1.0),    # last number
+    ("There were 12 apples, 5 eaten, so 7 remain", "7", 1.0),
+    # distractor number before the answer
+    ("There were 12 apples, 5 eaten, so 7 remain", "12", 0.0),
+    ("We have 10 and 20 and then #### 30", "30", 1.0),         # '####' wins over earlier numbers
+    ("#### 30\nbut actually 31", "30", 1.0),                   # only the '####' line counts
+    ("I don't know.", "5", 0.0),                               # no answer at all
+    ("", "5", 0.0),
+    ("####", "5", 0.0),                                        # marker without a value
+    ("#### 1/2", "0.5", 1.0),
+    ("The answer is 0.5", "1/2", 1.0),
+    ("#### 100%", "100", 1.0),
+    ("#### 7.0", "7", 1.0),
+    ("Total: 2,000,000\n#### 2,000,000", "2000000", 1.0),
+    ("#### -0.25", "-1/4", 1.0),
+]
+
+
+@pytest.mark.parametrize("completion,gold,expected", REWARD_CASES)
+def test_reward(completion, gold, expected):
+    """`reward` through `extract_answer`'s three tiers, `_normalize` and `_last_number`."""
+    assert qurl.reward(completion, gold) == expected
+
+
+# Five lines in GSM8K's real format (the test split: worked solution with <<calculator>> tags, '####
+# value').
+GSM8K_FIXTURE = [
+    {"question": "Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning "
+                 "and bakes muffins for her friends every day with four. She sells the remainder "
+                 "at the farmers' market daily for $2 per fresh duck egg. How much in dollars does "
+                 "she make every day at the farmers' market?",
+     "answer": "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = "
+               "$<<9*2=18>>18 every day at the farmer's market.\n#### 18"},
+    {"question": "Josh decides to try flipping a house.  He buys a house for $80,000 and then puts "
+                 "in $50,000 in repairs.  This increased the value of the house by 150%.  How much "
+                 "profit did he make?",
+     "answer": "The cost of the house and repairs came out to "
+               "80,000+50,000=$<<80000+50000=130000>>130,000\nHe increased the value of the house "
+               "by 80,000*1.5=<<80000*1.5=120000>>120,000\nSo the new value of the house is "
+               "120,000+80,000=$<<120000+80000=200000>>200,000\nSo he made a profit of "
+               "200,000-130,000=$<<200000-130000=70000>>70,000\n#### 70000"},
+    {"question": "A robe takes 2 bolts of blue fiber and half that much white fiber.  How many "
+                 "bolts in total?",
+     "answer": "It takes 2/2=<<2/2=1>>1 bolt of white fiber\nSo the total amount of fabric is "
+               "2+1=<<2+1=3>>3 bolts of fabric\n#### 3"},
+    {"question": "A shop sells pens at $1.25 each. How much do 6 pens cost?",
+     "answer": "6 pens cost 6*1.25=<<6*1.25=7.5>>7.5\n#### 7.5"},
+    {"question": "The temperature was 5 degrees and fell by 12 degrees. What is it now?",
+     "answer": "5-12=<<5-12=-7>>-7\n#### -7"},
+]
+
+
+def test_gsm8k_format_golds_parse(tmp_path):
+    f = tmp_path / "gsm8k_sample.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in GSM8K_FIXTURE))
+    probs = qurl.load_problems(str(f))
+    assert [p["gold"] for p in probs] == ["18", "70000", "3", "7.5", "-7"]
+    # the full worked solution earns the reward against its own gold
+    for p, r in zip(probs, GSM8K_FIXTURE):
+        assert qurl.reward(r["answer"], p["gold"]) == 1.0
+
+
+def test_embedded_data_format():
+    for name, n in (("arith_train.jsonl", 20_000), ("arith_test.jsonl", 500)):
+        rows = [json.loads(l) for l in (HERE / "data" / name).read_text().splitlines()]
+        assert len(rows) == n and all("####" in r["answer"] for r in rows)
+    train_q = {
+        json.loads(l)["question"]
+        for l in (HERE / "data/arith_train.jsonl").read_text().splitlines()
+    }
+    test_q = {
+        json.loads(l)["question"] for l in (HERE / "data/arith_test.jsonl").read_text().splitlines()
+    }
+    assert not train_q & test_q
+    kinds = {q.count("+") * 10 + q.count("-") + 100 * q.count("*") for q in test_q}
+    assert kinds == {10, 1, 100, 11}  # a+b, a-b, a*b, a+b-c
+
+
+def _script(path: Path, name: str):
+    """A script of the project (not a package) imported as a module."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def mt():
+    return _script(HERE / "data" / "make_tiny.py", "make_tiny")
+
+
+def test_slipped_demonstrations_are_the_classic_carry_and_borrow_errors(mt):
+    assert mt.slip("What is 48 + 26?") == ("48+26=64", 64)            # 8+6=14: the 1 is not carried
+    # 2-7 needs a borrow: the 5 stays a 5
+    assert mt.slip("What is 52 - 27?") == ("52-27=35", 35)
+    assert mt.slip("What is 27 - 52?") == ("27-52=-35", -35)          # same slip on the magnitude
+    assert mt.slip("What is 47 * 6?") == ("47*6=242", 242)            # 7*6=42: the 4 is not carried
+    assert mt.slip("What is 58 + 15 - 9?") == ("58+15=63, 63-9=54", 54)
+    for q in ("What is 12 + 7?", "What is 57 - 23?", "What is 41 * 2?", "What is 12 + 7 - 50?"):
+        # no carry or borrow: nothing to slip
+        assert mt.slip(q) is None
+    train = [json.loads(l) for l in (HERE / "data/arith_train.jsonl").read_text().splitlines()]
+    demos = mt.noisy_demonstrations(train)
+    eligible = [i for i, p in enumerate(train) if mt.slip(p["question"])]
+    slipped = [i for i in eligible if demos[i]["answer"] != train[i]["answer"]]
+    assert abs(len(slipped) / len(eligible) - mt.P_SLIP) < 0.02
+    assert all(d == p for d, p in zip(demos, train) if mt.slip(p["question"]) is None)
+    for i in slipped[:50]:  # a slipped demonstration fails the reward that RL later uses
+        assert qurl.reward(demos[i]["answer"], qurl.extract_answer(train[i]["answer"])) == 0.0
+
+
+def test_warm_start_answers_with_the_slip(tiny, problems, mt):
+    """The documented starting point: on problems with a carry or a borrow, the warm start's
+    greedy answer is mostly the slipped one, so RL has an error to remove (README: 64 % of them
+    at the warm start)."""
+    model, tok = tiny
+    elig = [p for p in problems if mt.slip(p["question"])][:100]
+    ro = qurl.sample(
+        model,
+        tok,
+        [qurl.format_prompt(p["question"], tok) for p in elig],
+        n=1,
+        max_new_tokens=32,
+        temperature=0.0,
+    )
+    as_slip = sum(
+        qurl.reward(t, str(mt.slip(p["question"])[1])) for t, p in zip(ro.texts, elig)
+    ) / len(elig)
+    right = sum(qurl.reward(t, p["gold"]) for t, p in zip(ro.texts, elig)) / len(elig)
+    assert as_slip > 0.4 and right < 0.2, (as_slip, right)
+
+
+def test_tiny_model_offline_roundtrip_and_band(tiny, problems):
+    model, tok = tiny
+    text = "Q: What is 12 + 7?\nA: 12+7=19\n#### 19 \u00e9"
+    assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+    assert tok.pad_token_id == tok.eos_token_id  # the pitfall the masks must survive
+    assert 3e5 <= sum(p.numel() for p in model.parameters()) <= 3e6
+    acc = qurl.evaluate(model, tok, problems[:100], max_new_tokens=32)
+    assert 0.20 <= acc <= 0.60, acc
+
+
+def test_format_prompt_plain_and_chat(tiny):
+    _, tok = tiny
+    assert qurl.format_prompt("What is 1 + 1?", tok) == "Q: What is 1 + 1?\nA: "
+
+    class Chat:
+        chat_template = "x"
+
+        def apply_chat_template(self, msgs, tokenize, add_generation_prompt):
+            return "|".join(f"{m['role']}:{m['content']}" for m in msgs) + "|assistant:"
+
+    out = qurl.format_prompt("What is 1 + 1?", Chat())
+    assert (
+        out.startswith("system:")
+        and "####" in out
+        and out.endswith("user:What is 1 + 1?|assistant:")
+    )
+
+# ==================================================================================================
+# The method, 5: the update (gradient accumulation, mini-batches, the learning rate)
+# ==================================================================================================
+def test_lr_schedule_cosine_by_hand():
+    # cos(0) = 1: the full rate first
+    assert qurl.lr_at(1, 900, 1e-4, "cosine") == pytest.approx(1e-4)
+    # cos(pi/2) = 0: half way
+    assert qurl.lr_at(451, 900, 1e-4, "cosine") == pytest.approx(0.5e-4)
+    assert qurl.lr_at(901, 900, 1e-4, "cosine") == pytest.approx(0.0, abs=1e-20)  # cos(pi) = -1
+    # cos(pi/4)
+    assert qurl.lr_at(226, 900, 1e-4, "cosine") == pytest.approx(0.5e-4 * (1 + math.sqrt(0.5)))
+    assert all(qurl.lr_at(k, 10, 3e-4, "constant") == 3e-4 for k in range(1, 11))
+    lrs = [qurl.lr_at(k, 50, 1e-4, "cosine") for k in range(1, 51)]
+    assert all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] < 1e-6
+
+
+class _CaptureGrads(torch.optim.Optimizer):
+    """An optimizer that records the gradient it is asked to step on, and changes nothing."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+        self.grads = []
+
+    def step(self, closure=None):
+        self.grads.append(
+            [p.grad.clone() for g in self.param_groups for p in g["params"] if p.grad is not None]
+        )
+
+
+def _batch(rollout, adv):
+    return {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
+            "response_mask": rollout.response_mask, "logp_behav": rollout.logp_behav, "adv": adv}
+
+
+@pytest.mark.parametrize("loss", ["acr", "tbpo"])
+def test_backward_mini_batch_accumulation_equals_single_pass(tiny, problems, loss):
+    """--micro-batch 3 gives the gradient of the whole mini-batch's loss (float64, to 1e-6), with
+    TBPO's denominator counted over the mini-batch (sequences in band, above it, below it)."""
+    import copy
+    model, tok = copy.deepcopy(tiny[0]).double(), tiny[1]
+    ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=16,
+                     generator=torch.Generator().manual_seed(0))
+    batch = _batch(ro, torch.tensor([1.0, -1.0, 0.5, -0.5] * 4, dtype=torch.float64))
+    batch["logp_behav"] = batch["logp_behav"].double()
+    mask = ro.response_mask.double()
+    with torch.no_grad():
+        lp_now = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, mask)
+    shifts = torch.tensor([0.0, -1e-4, -2e-3, 2e-3] * 4, dtype=torch.float64)  # in, above, below
+    prox = (lp_now + shifts[:, None]) * mask
+    args = qurl.Args(loss=loss, micro_batch=3)
+    rl = qurl.Learner(model, torch.optim.SGD(model.parameters()), model, tok, torch.Generator(),
+                      torch.float64)
+    m, finite, _ = qurl.backward_mini_batch(rl, args, batch, prox)
+    got = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    lp = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, mask, micro_batch=16)
+    policy_loss(lp, prox, batch["logp_behav"], batch["adv"], mask, loss,
+                     **LOSS_OPTIONS)[0].backward()
+    want = [p.grad for p in model.parameters() if p.grad is not None]
+    assert finite and len(got) == len(want) and sum(float(g.abs().sum()) for g in want) > 0
+    # per tensor, relative to its norm: Qwen2's RMSNorm computes in float32 even in a float64
+    # model, so gradients carry float32 rounding (~1e-7) wherever they pass a norm
+    assert max(_rel_err(g, w) for g, w in zip(got, want)) < 1e-6
+    if loss == "tbpo":  # the case has sequences out of band on both sides
+        assert m["tbpo/kept"] == 0.5 and m["clip/low"] == 0.25 and m["clip/high"] == 0.25
+
+
+def test_update_returns_pi_prox_of_the_actor_before_its_first_step(tiny, problems):
+    """update() returns the actor's log-probs before any optimizer step, for every row, with one
+    update per rollout (the training forward's own values) and with several (a no-grad forward),
+    while the weights do move."""
+    import copy
+    for mini_batches, epochs in ((1, 1), (4, 2)):
+        model, tok = copy.deepcopy(tiny[0]), tiny[1]
+        ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=12,
+                         generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            before = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask)
+        args = qurl.Args(loss="tis", mini_batches=mini_batches, ppo_epochs=epochs, micro_batch=5)
+        rl = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-2), model, tok,
+                          torch.Generator(), torch.float32)
+        _, logp_prox = qurl.update(rl, args, _batch(ro, torch.tensor([1.0, -1.0] * 8)))
+        with torch.no_grad():
+            after = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask)
+        torch.testing.assert_close(logp_prox, before, rtol=0, atol=1e-6)
+        assert (after - before).abs().max() > 0.01
+
+
+def test_bf16_autocast_updates_see_fresh_weights_after_each_optimizer_step(tiny, problems,
+                                                                           monkeypatch):
+    """torch.autocast caches the bf16 copy of each weight until its block exits: with several
+    mini-batches the forwards after the first optimizer step must see the updated weights, as a
+    fresh forward of that model does."""
+    import copy
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=16,
+                     generator=torch.Generator().manual_seed(0))
+    args = qurl.Args(loss="tis", mini_batches=2, micro_batch=8)
+    rl = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-2), model, tok,
+                      torch.Generator(), torch.bfloat16)
+    seen, after_first = [], []
+    plain_loss, plain_step = qurl.token_loss, rl.optimizer.step
+    monkeypatch.setattr(qurl, "token_loss", lambda logp, *a, **kw: (
+        seen.append(logp.detach()), plain_loss(logp, *a, **kw))[1])
+    rl.optimizer.step = lambda *a: (plain_step(*a), after_first or after_first.append(
+        copy.deepcopy(model.state_dict())))
+    before = copy.deepcopy(model)
+    with qurl.autocast(torch.device("cpu"), torch.bfloat16):
+        qurl.update(rl, args, _batch(ro, torch.tensor([1.0, -1.0] * 8)))
+    fresh = copy.deepcopy(model)
+    fresh.load_state_dict(after_first[0])
+    rows = slice(8, 16)  # the second mini-batch, after the first optimizer step
+    with torch.no_grad(), qurl.autocast(torch.device("cpu"), torch.bfloat16):
+        want, stale = (qurl.token_logprobs(m, ro.input_ids[rows], ro.attention_mask[rows],
+                                           ro.response_mask[rows]) for m in (fresh, before))
+    trained = seen[2]  # per mini-batch: its micro-batch's training forward, then its metrics
+    assert torch.equal(trained, want)  # the updated model, bit for bit
+    assert (trained - stale).abs().max() > 0.05  # and not the weights before the step
+
+
+def test_bf16_clip_fraction_with_several_updates_tracks_fp32(tmp_path):
+    """With 4 mini-batches at a high lr the PPO clip acts; bf16 must clip about as often as fp32
+    (stale weights under autocast clipped ~8x less: 3.1 % against 26 %)."""
+    clip = {}
+    for dtype in ("float32", "bfloat16"):
+        qurl.train(_small_args(tmp_path, run_name=dtype, quant="none", loss="tis", mini_batches=4,
+                               lr=3e-3, eps_low=0.02, eps_high=0.02, steps=1, dtype=dtype,
+                               prompts_per_step=16, group_size=8, max_new_tokens=32, eval_size=8))
+        row = json.loads((tmp_path / dtype / "metrics.jsonl").read_text())
+        clip[dtype] = row["clip/low"] + row["clip/high"]
+    assert clip["float32"] > 0.1 and 0.5 < clip["bfloat16"] / clip["float32"] < 2, clip
+
+
+def test_mini_batches_split_exactly():
+    for n, k in ((10, 4), (9, 4), (128, 3), (7, 7)):
+        sizes = [b.stop - b.start for b in qurl._batches(n, k)]
+        assert len(sizes) == k and sum(sizes) == n and max(sizes) - min(sizes) <= 1, (n, k, sizes)
+    # fewer rows than mini-batches
+    assert [b.stop - b.start for b in qurl._batches(3, 4)] == [1, 1, 1]
+
+
+def test_update_forwards_at_most_micro_batch_rows(tiny, problems):
+    """`update` forwards `select`ed rows by `batch_logprobs`, never more than --micro-batch."""
+    import copy
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=8,
+                     generator=torch.Generator().manual_seed(0))
+    seen = []
+    hook = model.register_forward_pre_hook(lambda mod, a, kw: seen.append(kw["input_ids"].shape[0]),
+                                           with_kwargs=True)
+    args = qurl.Args(loss="tis", micro_batch=5, mini_batches=2, ppo_epochs=2)
+    rl = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-4), model, tok,
+                      torch.Generator(), torch.float32)
+    qurl.update(rl, args, _batch(ro, torch.ones(16)))
+    hook.remove()
+    # pi_prox of the second mini-batch (8 rows, no grad), then two epochs over 16 rows, <= 5 at once
+    assert max(seen) <= 5 and sum(seen) == 8 + 2 * 16
+
+
+def test_update_steps_once_per_mini_batch_on_its_own_rows(tiny, problems):
+    """A `Learner` at --mini-batches 4 --ppo-epochs 2: eight optimizer steps, step k on the
+    clipped gradient of mini-batch k mod 4 alone (the optimizer changes nothing here, so each is
+    the on-policy gradient of its rows, computed independently by `policy_loss`)."""
+    import copy
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=8,
+                     generator=torch.Generator().manual_seed(0))
+    batch = _batch(ro, torch.linspace(-1.5, 1.5, 16))
+    optimizer = _CaptureGrads(model.parameters())
+    rl = qurl.Learner(model, optimizer, model, tok, torch.Generator(), torch.float32)
+    qurl.update(rl, qurl.Args(loss="tis", mini_batches=4, ppo_epochs=2, micro_batch=3), batch)
+    assert len(optimizer.grads) == 8
+    for k, grads in enumerate(optimizer.grads):
+        rows = slice(4 * (k % 4), 4 * (k % 4) + 4)
+        model.zero_grad()
+        lp = qurl.token_logprobs(model, ro.input_ids[rows], ro.attention_mask[rows],
+                                 ro.response_mask[rows])
+        policy_loss(lp, lp.detach(), batch["logp_behav"][rows], batch["adv"][rows],
+                         ro.response_mask[rows], "tis", **LOSS_OPTIONS)[0].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), qurl.MAX_GRAD_NORM)
+        want = [p.grad for p in model.parameters() if p.grad is not None]
+        for got, ref in zip(grads, want, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-7)
+
+
+def test_backward_mini_batch_tbpo_counts_its_band_after_the_forwards(tiny, problems):
+    """TBPO's denominator is the in-band count, known only after the micro-batches' forwards:
+    the summed gradient is divided by it then, with no counting pass, whether pi_prox is the
+    forward's own (None) or given. Both give the same gradient when pi_prox equals the actor."""
+    import copy
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=8,
+                     generator=torch.Generator().manual_seed(0))
+    batch = _batch(ro, torch.linspace(-1.5, 1.5, 16))
+    rl = qurl.Learner(model, torch.optim.SGD(model.parameters()), model, tok, torch.Generator(),
+                      torch.float32)
+    args = qurl.Args(loss="tbpo", micro_batch=5)
+    seen = []
+    hook = model.register_forward_pre_hook(lambda mod, a, kw: seen.append(kw["input_ids"].shape[0]),
+                                           with_kwargs=True)
+    metrics, _, logp = qurl.backward_mini_batch(rl, args, batch, None)
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    assert seen == [5, 5, 5, 1]  # the training forwards alone
+    model.zero_grad()
+    seen.clear()
+    again, _, _ = qurl.backward_mini_batch(rl, args, batch, logp)
+    hook.remove()
+    assert seen == [5, 5, 5, 1]  # no counting pass
+    assert metrics == again and metrics["tbpo/kept"] == 1.0
+    for got, ref in zip(grads, [p.grad for p in model.parameters() if p.grad is not None]):
+        torch.testing.assert_close(got, ref)
+
+
+def test_train_step_without_trainable_rows_logs_null_and_measures_the_sampler(tiny, problems,
+                                                                       monkeypatch):
+    import copy
+    model, tok = copy.deepcopy(tiny[0]), tiny[1]
+    sampler = qurl.quantized_copy(model, "fp8")
+    rl = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-4), sampler, tok,
+                      torch.Generator(), torch.float32)
+    args = qurl.Args(quant="fp8", prompts_per_step=4, group_size=4, max_new_tokens=16)
+    monkeypatch.setattr(qurl, "reward", lambda text, gold: 0.0)  # every group all-equal
+    m = qurl.train_step(rl, args, problems[:4], 1)
+    assert m["reward/zero_std_groups"] == 4 and m.get("loss/policy") is None
+    assert m["mismatch/kl"] > 0 and m["mismatch/ratio_max"] > 1  # measured on every row
+
+# ==================================================================================================
+# The method, 6: advantages and the losses (hand-computed references and an independent oracle)
 # ==================================================================================================
 def test_group_advantages():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
@@ -1467,351 +1812,6 @@ def test_on_policy_call_trains(kind):
     _oracle(kind, lo, lp_tok, lp_tok, adv.tolist(), mask.tolist()).backward()
     assert lp.grad.abs().sum() > 0
     torch.testing.assert_close(lp.grad, lo.grad, rtol=1e-6, atol=1e-9)
-
-# ==================================================================================================
-# The method, 6: one RL step (gradient accumulation, mini-batches, the learning rate)
-# ==================================================================================================
-def test_lr_schedule_cosine_by_hand():
-    # cos(0) = 1: the full rate first
-    assert qurl.lr_at(1, 900, 1e-4, "cosine") == pytest.approx(1e-4)
-    # cos(pi/2) = 0: half way
-    assert qurl.lr_at(451, 900, 1e-4, "cosine") == pytest.approx(0.5e-4)
-    assert qurl.lr_at(901, 900, 1e-4, "cosine") == pytest.approx(0.0, abs=1e-20)  # cos(pi) = -1
-    # cos(pi/4)
-    assert qurl.lr_at(226, 900, 1e-4, "cosine") == pytest.approx(0.5e-4 * (1 + math.sqrt(0.5)))
-    assert all(qurl.lr_at(k, 10, 3e-4, "constant") == 3e-4 for k in range(1, 11))
-    lrs = [qurl.lr_at(k, 50, 1e-4, "cosine") for k in range(1, 51)]
-    assert all(a > b for a, b in zip(lrs, lrs[1:])) and lrs[-1] < 1e-6
-
-
-class _CaptureGrads(torch.optim.Optimizer):
-    """An optimizer that records the gradient it is asked to step on, and changes nothing."""
-
-    def __init__(self, params):
-        super().__init__(params, {})
-        self.grads = []
-
-    def step(self, closure=None):
-        self.grads.append(
-            [p.grad.clone() for g in self.param_groups for p in g["params"] if p.grad is not None]
-        )
-
-
-def _batch(rollout, adv):
-    return {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
-            "response_mask": rollout.response_mask, "logp_behav": rollout.logp_behav, "adv": adv}
-
-
-@pytest.mark.parametrize("loss", ["acr", "tbpo"])
-def test_backward_mini_batch_accumulation_equals_single_pass(tiny, problems, loss):
-    """--micro-batch 3 gives the gradient of the whole mini-batch's loss (float64, to 1e-6), with
-    TBPO's denominator counted over the mini-batch (sequences in band, above it, below it)."""
-    import copy
-    model, tok = copy.deepcopy(tiny[0]).double(), tiny[1]
-    ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=16,
-                     generator=torch.Generator().manual_seed(0))
-    batch = _batch(ro, torch.tensor([1.0, -1.0, 0.5, -0.5] * 4, dtype=torch.float64))
-    batch["logp_behav"] = batch["logp_behav"].double()
-    mask = ro.response_mask.double()
-    with torch.no_grad():
-        lp_now = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, mask)
-    shifts = torch.tensor([0.0, -1e-4, -2e-3, 2e-3] * 4, dtype=torch.float64)  # in, above, below
-    prox = (lp_now + shifts[:, None]) * mask
-    args = qurl.Args(loss=loss, micro_batch=3)
-    rl = qurl.Learner(model, torch.optim.SGD(model.parameters()), model, tok, torch.Generator(),
-                      torch.float64)
-    m, finite, _ = qurl.backward_mini_batch(rl, args, batch, prox)
-    got = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    model.zero_grad()
-    lp = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, mask, micro_batch=16)
-    policy_loss(lp, prox, batch["logp_behav"], batch["adv"], mask, loss,
-                     **LOSS_OPTIONS)[0].backward()
-    want = [p.grad for p in model.parameters() if p.grad is not None]
-    assert finite and len(got) == len(want) and sum(float(g.abs().sum()) for g in want) > 0
-    # per tensor, relative to its norm: Qwen2's RMSNorm computes in float32 even in a float64
-    # model, so gradients carry float32 rounding (~1e-7) wherever they pass a norm
-    assert max(_rel_err(g, w) for g, w in zip(got, want)) < 1e-6
-    if loss == "tbpo":  # the case has sequences out of band on both sides
-        assert m["tbpo/kept"] == 0.5 and m["clip/low"] == 0.25 and m["clip/high"] == 0.25
-
-
-def test_update_returns_pi_prox_of_the_actor_before_its_first_step(tiny, problems):
-    """update() returns the actor's log-probs before any optimizer step, for every row, with one
-    update per rollout (the training forward's own values) and with several (a no-grad forward),
-    while the weights do move."""
-    import copy
-    for mini_batches, epochs in ((1, 1), (4, 2)):
-        model, tok = copy.deepcopy(tiny[0]), tiny[1]
-        ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=12,
-                         generator=torch.Generator().manual_seed(0))
-        with torch.no_grad():
-            before = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask)
-        args = qurl.Args(loss="tis", mini_batches=mini_batches, ppo_epochs=epochs, micro_batch=5)
-        rl = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-2), model, tok,
-                          torch.Generator(), torch.float32)
-        _, logp_prox = qurl.update(rl, args, _batch(ro, torch.tensor([1.0, -1.0] * 8)))
-        with torch.no_grad():
-            after = qurl.token_logprobs(model, ro.input_ids, ro.attention_mask, ro.response_mask)
-        torch.testing.assert_close(logp_prox, before, rtol=0, atol=1e-6)
-        assert (after - before).abs().max() > 0.01
-
-
-def test_bf16_autocast_updates_see_fresh_weights_after_each_optimizer_step(tiny, problems,
-                                                                           monkeypatch):
-    """torch.autocast caches the bf16 copy of each weight until its block exits: with several
-    mini-batches the forwards after the first optimizer step must see the updated weights, as a
-    fresh forward of that model does."""
-    import copy
-    model, tok = copy.deepcopy(tiny[0]), tiny[1]
-    ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=16,
-                     generator=torch.Generator().manual_seed(0))
-    args = qurl.Args(loss="tis", mini_batches=2, micro_batch=8)
-    rl = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-2), model, tok,
-                      torch.Generator(), torch.bfloat16)
-    seen, after_first = [], []
-    plain_loss, plain_step = qurl.token_loss, rl.optimizer.step
-    monkeypatch.setattr(qurl, "token_loss", lambda logp, *a, **kw: (
-        seen.append(logp.detach()), plain_loss(logp, *a, **kw))[1])
-    rl.optimizer.step = lambda *a: (plain_step(*a), after_first or after_first.append(
-        copy.deepcopy(model.state_dict())))
-    before = copy.deepcopy(model)
-    with qurl.autocast(torch.device("cpu"), torch.bfloat16):
-        qurl.update(rl, args, _batch(ro, torch.tensor([1.0, -1.0] * 8)))
-    fresh = copy.deepcopy(model)
-    fresh.load_state_dict(after_first[0])
-    rows = slice(8, 16)  # the second mini-batch, after the first optimizer step
-    with torch.no_grad(), qurl.autocast(torch.device("cpu"), torch.bfloat16):
-        want, stale = (qurl.token_logprobs(m, ro.input_ids[rows], ro.attention_mask[rows],
-                                           ro.response_mask[rows]) for m in (fresh, before))
-    trained = seen[2]  # per mini-batch: its micro-batch's training forward, then its metrics
-    assert torch.equal(trained, want)  # the updated model, bit for bit
-    assert (trained - stale).abs().max() > 0.05  # and not the weights before the step
-
-
-def test_bf16_clip_fraction_with_several_updates_tracks_fp32(tmp_path):
-    """With 4 mini-batches at a high lr the PPO clip acts; bf16 must clip about as often as fp32
-    (stale weights under autocast clipped ~8x less: 3.1 % against 26 %)."""
-    clip = {}
-    for dtype in ("float32", "bfloat16"):
-        qurl.train(_small_args(tmp_path, run_name=dtype, quant="none", loss="tis", mini_batches=4,
-                               lr=3e-3, eps_low=0.02, eps_high=0.02, steps=1, dtype=dtype,
-                               prompts_per_step=16, group_size=8, max_new_tokens=32, eval_size=8))
-        row = json.loads((tmp_path / dtype / "metrics.jsonl").read_text())
-        clip[dtype] = row["clip/low"] + row["clip/high"]
-    assert clip["float32"] > 0.1 and 0.5 < clip["bfloat16"] / clip["float32"] < 2, clip
-
-
-def test_mini_batches_split_exactly():
-    for n, k in ((10, 4), (9, 4), (128, 3), (7, 7)):
-        sizes = [b.stop - b.start for b in qurl._batches(n, k)]
-        assert len(sizes) == k and sum(sizes) == n and max(sizes) - min(sizes) <= 1, (n, k, sizes)
-    # fewer rows than mini-batches
-    assert [b.stop - b.start for b in qurl._batches(3, 4)] == [1, 1, 1]
-
-
-def test_update_forwards_at_most_micro_batch_rows(tiny, problems):
-    """`update` forwards `select`ed rows by `batch_logprobs`, never more than --micro-batch."""
-    import copy
-    model, tok = copy.deepcopy(tiny[0]), tiny[1]
-    ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=8,
-                     generator=torch.Generator().manual_seed(0))
-    seen = []
-    hook = model.register_forward_pre_hook(lambda mod, a, kw: seen.append(kw["input_ids"].shape[0]),
-                                           with_kwargs=True)
-    args = qurl.Args(loss="tis", micro_batch=5, mini_batches=2, ppo_epochs=2)
-    rl = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-4), model, tok,
-                      torch.Generator(), torch.float32)
-    qurl.update(rl, args, _batch(ro, torch.ones(16)))
-    hook.remove()
-    # pi_prox of the second mini-batch (8 rows, no grad), then two epochs over 16 rows, <= 5 at once
-    assert max(seen) <= 5 and sum(seen) == 8 + 2 * 16
-
-
-def test_update_steps_once_per_mini_batch_on_its_own_rows(tiny, problems):
-    """A `Learner` at --mini-batches 4 --ppo-epochs 2: eight optimizer steps, step k on the
-    clipped gradient of mini-batch k mod 4 alone (the optimizer changes nothing here, so each is
-    the on-policy gradient of its rows, computed independently by `policy_loss`)."""
-    import copy
-    model, tok = copy.deepcopy(tiny[0]), tiny[1]
-    ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=8,
-                     generator=torch.Generator().manual_seed(0))
-    batch = _batch(ro, torch.linspace(-1.5, 1.5, 16))
-    optimizer = _CaptureGrads(model.parameters())
-    rl = qurl.Learner(model, optimizer, model, tok, torch.Generator(), torch.float32)
-    qurl.update(rl, qurl.Args(loss="tis", mini_batches=4, ppo_epochs=2, micro_batch=3), batch)
-    assert len(optimizer.grads) == 8
-    for k, grads in enumerate(optimizer.grads):
-        rows = slice(4 * (k % 4), 4 * (k % 4) + 4)
-        model.zero_grad()
-        lp = qurl.token_logprobs(model, ro.input_ids[rows], ro.attention_mask[rows],
-                                 ro.response_mask[rows])
-        policy_loss(lp, lp.detach(), batch["logp_behav"][rows], batch["adv"][rows],
-                         ro.response_mask[rows], "tis", **LOSS_OPTIONS)[0].backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), qurl.MAX_GRAD_NORM)
-        want = [p.grad for p in model.parameters() if p.grad is not None]
-        for got, ref in zip(grads, want, strict=True):
-            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-7)
-
-
-def test_backward_mini_batch_tbpo_counts_its_band_after_the_forwards(tiny, problems):
-    """TBPO's denominator is the in-band count, known only after the micro-batches' forwards:
-    the summed gradient is divided by it then, with no counting pass, whether pi_prox is the
-    forward's own (None) or given. Both give the same gradient when pi_prox equals the actor."""
-    import copy
-    model, tok = copy.deepcopy(tiny[0]), tiny[1]
-    ro = qurl.sample(model, tok, _mixed_prompts(tok, problems, 4), n=4, max_new_tokens=8,
-                     generator=torch.Generator().manual_seed(0))
-    batch = _batch(ro, torch.linspace(-1.5, 1.5, 16))
-    rl = qurl.Learner(model, torch.optim.SGD(model.parameters()), model, tok, torch.Generator(),
-                      torch.float32)
-    args = qurl.Args(loss="tbpo", micro_batch=5)
-    seen = []
-    hook = model.register_forward_pre_hook(lambda mod, a, kw: seen.append(kw["input_ids"].shape[0]),
-                                           with_kwargs=True)
-    metrics, _, logp = qurl.backward_mini_batch(rl, args, batch, None)
-    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    assert seen == [5, 5, 5, 1]  # the training forwards alone
-    model.zero_grad()
-    seen.clear()
-    again, _, _ = qurl.backward_mini_batch(rl, args, batch, logp)
-    hook.remove()
-    assert seen == [5, 5, 5, 1]  # no counting pass
-    assert metrics == again and metrics["tbpo/kept"] == 1.0
-    for got, ref in zip(grads, [p.grad for p in model.parameters() if p.grad is not None]):
-        torch.testing.assert_close(got, ref)
-
-
-def test_train_step_without_trainable_rows_logs_null_and_measures_the_sampler(tiny, problems,
-                                                                       monkeypatch):
-    import copy
-    model, tok = copy.deepcopy(tiny[0]), tiny[1]
-    sampler = qurl.quantized_copy(model, "fp8")
-    rl = qurl.Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-4), sampler, tok,
-                      torch.Generator(), torch.float32)
-    args = qurl.Args(quant="fp8", prompts_per_step=4, group_size=4, max_new_tokens=16)
-    monkeypatch.setattr(qurl, "reward", lambda text, gold: 0.0)  # every group all-equal
-    m = qurl.train_step(rl, args, problems[:4], 1)
-    assert m["reward/zero_std_groups"] == 4 and m.get("loss/policy") is None
-    assert m["mismatch/kl"] > 0 and m["mismatch/ratio_max"] > 1  # measured on every row
-
-# ==================================================================================================
-# The method, 7: the training loop and evaluation
-# ==================================================================================================
-def _small_args(tmp_path, **kw):
-    base = dict(
-        steps=2,
-        prompts_per_step=4,
-        group_size=4,
-        max_new_tokens=24,
-        eval_every=2,
-        eval_size=20,
-        out_dir=str(tmp_path),
-    )
-    base.update(kw)
-    return qurl.Args(**base)
-
-
-@pytest.mark.parametrize(
-    "quant,loss,extra",
-    [
-        ("none", "tis", {}),
-        ("int8", "acr", {}),
-        ("fp8", "acr", {}),
-        ("fp8", "naive", {}),
-        ("fp8", "tis", {}),
-        ("fp8", "tbpo", {}),
-        ("fp8", "tbpo", {"align_forward": True}),
-        ("nf4", "naive", {}),
-        ("nf4", "tbpo", {"align_forward": True, "mini_batches": 2, "dtype": "bfloat16"}),
-        ("int8", "acr", {"ppo_epochs": 2, "mini_batches": 2, "lr": 1e-3}),
-    ],
-)
-def test_end_to_end(tmp_path, tiny, quant, loss, extra):
-    args = _small_args(tmp_path, quant=quant, loss=loss, run_name="r", **extra)
-    qurl.train(args)
-    rows = [json.loads(l) for l in (tmp_path / "r/metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
-        # every metric, and only those
-        assert set(r) == set(qurl.METRIC_KEYS), set(r) ^ set(qurl.METRIC_KEYS)
-        assert all(v is None or math.isfinite(v) for v in r.values())
-    assert rows[-1]["eval/acc"] is not None
-    # cosine, 2 steps: cos(0), cos(pi/2)
-    assert [r["opt/lr"] for r in rows] == pytest.approx([args.lr, args.lr / 2])
-    final = torch.load(tmp_path / "r/ckpt.pt", weights_only=False)["actor"]
-    init = tiny[0].state_dict()
-    assert any(not torch.equal(final[k], init[k]) for k in init)  # the weights moved
-    if quant != "none":
-        # synced before each rollout
-        assert rows[0]["quant/flip_rate"] == 0.0 and rows[1]["quant/flip_rate"] > 0
-
-
-@CUDA
-@pytest.mark.parametrize("quant", ["fp8", "int8", "nf4", "none"])
-def test_cuda_two_step_rl(tmp_path, quant):
-    qurl.train(_small_args(tmp_path, run_name="c", quant=quant))
-    rows = [json.loads(l) for l in (tmp_path / "c/metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(v is None or math.isfinite(v) for r in rows for v in r.values())
-
-
-def test_bf16_keeps_small_updates_and_final_is_a_standard_checkpoint(tmp_path, tiny, problems):
-    """bf16 compute on fp32 masters: lr 1e-6 moves nearly every weight (bf16 parameters would
-    keep ~98 % of them), and final/ is an fp32 model on the original scale (invariant scaling
-    folded back) with the actor's function."""
-    from transformers import AutoModelForCausalLM
-    kw = dict(quant="fp8", dtype="bfloat16", lr=1e-6, lr_schedule="constant", eval_every=100)
-    qurl.train(_small_args(tmp_path, run_name="b3", steps=3, **kw))
-    qurl.train(_small_args(tmp_path, run_name="b0", steps=0, **kw))
-    f3, f0 = (AutoModelForCausalLM.from_pretrained(tmp_path / n / "final") for n in ("b3", "b0"))
-    dec = [n for n, _ in f3.named_parameters() if ".layers." in n and n.endswith("proj.weight")]
-    p3, p0 = dict(f3.named_parameters()), dict(f0.named_parameters())
-    moved = sum(int((p3[n] != p0[n]).sum()) for n in dec) / sum(p3[n].numel() for n in dec)
-    assert moved >= 0.9 and p3[dec[0]].dtype == torch.float32, moved
-    assert (
-        json.loads((tmp_path / "b3/final/qurl.json").read_text())["invariant_scale_folded_back"]
-        == 1.5
-    )
-    orig = dict(tiny[0].named_parameters())
-    for n in (
-        "model.layers.0.input_layernorm.weight",
-        "model.layers.1.post_attention_layernorm.weight",
-    ):
-        assert _rel_err(p3[n].detach(), orig[n].detach()) < 0.01  # original scale, not 1.5x
-    # the training actor: scaled, at the last step
-    actor = qurl.load_model(TINY, "cpu", torch.float32)[0]
-    qurl.invariant_rescale(actor, 1.5)
-    actor.load_state_dict(torch.load(tmp_path / "b3/ckpt.pt", weights_only=False)["actor"])
-    enc = tiny[1](
-        [qurl.format_prompt(p["question"], tiny[1]) for p in problems[:8]],
-        return_tensors="pt",
-        padding=True,
-    )
-    with torch.no_grad():
-        assert _rel_err(f3(**enc).logits, actor(**enc).logits) < 1e-5
-
-
-def test_non_finite_updates_are_skipped(tmp_path, tiny, monkeypatch):
-    """A non-finite loss never reaches the weights: the update is skipped and counted."""
-    real = qurl.token_loss
-
-    def nan_loss(*a, **k):
-        loss, m = real(*a, **k)
-        return loss * float("nan"), m
-    monkeypatch.setattr(qurl, "token_loss", nan_loss)
-    qurl.train(_small_args(tmp_path, run_name="nan", steps=3, quant="none", prompts_per_step=8))
-    rows = _metrics(tmp_path / "nan/metrics.jsonl")
-    assert [row["guard/skipped"] for row in rows] == [1, 2, 3]
-    state = torch.load(tmp_path / "nan/ckpt.pt", weights_only=False)
-    init = tiny[0].state_dict()
-    assert state["step"] == 3 and all(torch.equal(state["actor"][k], init[k]) for k in init)
-
-
-def test_evaluate_reproduces_warmup_record(tiny, problems):
-    model, tok = tiny
-    rec = json.loads((HERE / "data/tiny-qwen/warmup.json").read_text())
-    acc = qurl.evaluate(model, tok, problems, max_new_tokens=rec["max_new_tokens"], batch_size=100)
-    assert abs(acc - rec["heldout_acc_500"]) <= 2 / 500, (acc, rec["heldout_acc_500"])
-
 
 # ==================================================================================================
 # Appendix A: plumbing (bad input, run folders, checkpoints and resume, signals, run tracking)
