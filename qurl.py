@@ -220,7 +220,7 @@ def sync_weights(sampler, actor) -> float:
 
 
 def decoder_linears(model) -> list[tuple[str, nn.Module]]:
-    """The linears QuRL quantizes: the decoder layers' (not the embeddings, lm_head)."""
+    """The linears QuRL quantizes: the decoder layers' (not embeddings, lm_head)."""
     return [(name, module) for name, module in model.named_modules()
             if isinstance(module, (nn.Linear, QuantLinear)) and ".layers." in f".{name}"]
 
@@ -311,8 +311,8 @@ def quantize(weight: Tensor, fmt: str) -> tuple[Tensor, Tensor, object]:
 
 
 def quantize_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-row FP8 e4m3 (QuRL's W8A8): x ~= x8 * scale[:, None], scale = amax|row| / 448 (a row:
-    an output channel, a token)."""
+    """Per-row FP8 e4m3 (QuRL's W8A8; a row: an output channel, a token): x ~= x8 * scale[:, None],
+    scale = amax|row| / 448."""
     xf = x.detach().float()
     scale = xf.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
     x8 = (xf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # cast: no clamp
@@ -390,8 +390,8 @@ def make_sampler(actor, quant: str, dtype):
 
 
 def quantized_copy(actor, fmt: str):
-    """A frozen copy of the actor, its decoder linears QuantLinear (swapped in by deepcopy's memo:
-    no fp32 copy)."""
+    """A frozen copy of the actor, its decoder linears QuantLinears (deepcopy's memo: no fp32
+    copy)."""
     memo = {id(linear): QuantLinear(linear, fmt) for _, linear in decoder_linears(actor)}
     return copy.deepcopy(actor, memo).eval().requires_grad_(False)
 
@@ -563,8 +563,7 @@ def _pick(logits: Tensor, temperature: float, noise: Tensor | float,
 
 
 def _finish(tokenizer, input_ids, prompt_mask, n, tokens, logp_behav, end) -> Rollout:
-    """The Rollout of (B, R) tokens (padding after the EOS), log-probs, (B,) first EOS of (b, P)
-    prompts n times each."""
+    """The Rollout of (B, R) tokens, log-probs, (B,) first EOS of (b, P) prompts n times each."""
     R = tokens.shape[1]
     response_mask = (torch.arange(R, device=tokens.device)[None, :] <= end[:, None]).float()
     responses = [row[mask.bool()].tolist() for row, mask in zip(tokens, response_mask)]
@@ -580,9 +579,7 @@ def _finish(tokenizer, input_ids, prompt_mask, n, tokens, logp_behav, end) -> Ro
 
 def rollout_autocast(quant: str, device, dtype):
     """A half copy (bf16, fp16) decodes in its dtype, autocast off; others as the actor."""
-    if quant in HALF:
-        return torch.autocast(device.type, enabled=False)
-    return autocast(device, dtype)
+    return autocast(device, torch.float32 if quant in HALF else dtype)
 
 
 def autocast(device, dtype):
@@ -672,7 +669,7 @@ def aligned_linear(linear: nn.Linear, fmt: str, x: Tensor) -> Tensor:
 
 def fake_quant(x: Tensor, fmt: str) -> Tensor:
     """Quantize-dequantize in the sampler's format: the value quantized, the gradient identity."""
-    x2 = x if fmt == "nf4" else x.reshape(-1, x.shape[-1])  # a row: a token, an output channel
+    x2 = x if fmt == "nf4" else x.reshape(-1, x.shape[-1])  # a row per token, output channel
     shift = int8_shift(x2) if fmt == "int8" else 1.0  # as the sampler handles overflow
     values = dequantize(*quantize(x2 / shift, fmt), fmt) * shift
     return x + (values.reshape(x.shape).to(x.dtype) - x).detach()
@@ -691,8 +688,8 @@ def batch_logprobs(model, batch: dict, args) -> Tensor:
 
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
                    temperature: float = 1.0, micro_batch: int = 64) -> Tensor:
-    """(B, R) log-probs of the last R tokens of (B, P + R) rows under log_softmax(logits / T), in
-    micro-batches."""
+    """(B, R) log-probs of the last R tokens of (B, P + R) rows, log_softmax(logits / T), by
+    micro-batch."""
     R = response_mask.shape[1]
     if temperature <= 0:  # greedy rollouts are scored at T = 1
         temperature = 1.0
@@ -725,12 +722,12 @@ def update(learner, args, batch: dict, rollout: Rollout | None = None) -> tuple[
 
     logp_sampler = batch["logp_behav"]  # aligned: logp's value, the sampler's log-probs
     logs, skipped = [], 0
-    learner.optimizer.zero_grad()  # then after each optimizer step (its memory freed)
+    learner.optimizer.zero_grad()  # and after each optimizer step (freed)
     for epoch in range(args.ppo_epochs):
         for rows in mini_batches:
             mini, first = select(batch, rows), epoch == 0 and rows == mini_batches[0]
             prox = None if first and not args.align_forward else logp_prox[rows]  # None: its own
-            if args.align_forward and not first:  # the actor moved: the sampler decodes again
+            if args.align_forward and not first:  # the actor moved: decode again
                 logp_sampler = sampler_logprobs(learner, args, rollout)[batch["row"]]
             aligned = logp_sampler[rows] if args.align_forward else None
             metrics, finite, logp = backward_mini_batch(learner, args, mini, prox, aligned)
@@ -762,9 +759,9 @@ def _batches(n_rows: int, n_parts: int) -> list[slice]:
 @torch.no_grad()
 def sampler_logprobs(learner, args, rollout: Rollout) -> Tensor:
     """The sampler's (B, R) log-probs of the rollout's tokens at the actor's weights: re-synced,
-    it runs the rollout's decode again fed the tokens (all rows, the same path). No other decode
-    computes its numbers: GEMMs round by row count, and activation codes make a bit a code."""
-    if learner.rollout_codes is None:  # the next sync counts flips from the rollout's codes
+    it runs the rollout's decode again (all rows, the same path), fed the tokens. No other decode
+    computes its numbers: GEMMs round by row count, activation codes make a bit a code."""
+    if learner.rollout_codes is None:  # the next sync counts flips from these
         state = learner.sampler.state_dict().items()
         learner.rollout_codes = {k: v.clone() for k, v in state if ".layers." in k}
     sync_weights(learner.sampler, learner.actor)
@@ -796,7 +793,7 @@ def backward_mini_batch(learner, args, mini: dict, logp_prox: Tensor | None,
     for rows in micro_batches:
         micro = select(mini, rows)
         logp = batch_logprobs(learner.actor, micro, args)  # (m, R), with grad
-        if logp_sampler is not None:  # the sampler's value, the straight-through gradient
+        if logp_sampler is not None:  # the sampler's value, the forward's gradient
             logp = logp_sampler[rows] + (logp - logp.detach())
         prox = logp.detach()
         if logp_prox is not None:
@@ -911,8 +908,8 @@ def tbpo_ratio(logp: Tensor, logp_prox: Tensor, adv: Tensor, mask: Tensor,
 
 def mismatch_metrics(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor,
                      is_cap: float = 2.0) -> dict:
-    """On the sampled tokens: k3 KL(pi_behav || pi_prox), mean |log pi_prox - log pi_behav|, max
-    w = pi_prox / pi_behav, the share of w above C (what TIS truncates)."""
+    """Over the sampled tokens: k3 KL(pi_behav || pi_prox), mean |log w|, max w, the share of w
+    above C (TIS truncates it); w = pi_prox / pi_behav."""
     log_w = (logp_prox - logp_behav).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio_max = 1.0
     if mask.any():
@@ -1338,9 +1335,9 @@ FUSED = weakref.WeakKeyDictionary()  # decoder layer -> (qkv_proj, gate_up_proj)
 @torch.no_grad()
 def compiled_sample(model, tokenizer, prompts, n=1, max_new_tokens=64, temperature=1.0,
                     generator=None) -> Rollout:
-    """`sample` by compiled layers, ~10 kernels a layer, not ~50 (on a GPU a CUDA graph a token):
+    """`sample` by compiled layers (~10 kernels a layer, not ~50; a CUDA graph a token on a GPU):
     its tokens, log-probs up to float sums."""
-    prompts = encode(tokenizer, prompts, model.device, 64)  # ids, mask: few shapes
+    prompts = encode(tokenizer, prompts, model.device, 64)  # few shapes
     return compiled_decode(model, tokenizer, *prompts, n, max_new_tokens, temperature, generator)
 
 
@@ -1360,7 +1357,7 @@ def compiled_decode(model, tokenizer, input_ids, prompt_mask, n, max_new_tokens,
             return _finish(tokenizer, input_ids, prompt_mask, n, *outputs)
     except Exception as e:
         decoders[key] = None
-        reason = " ".join(str(e).split())  # one line
+        reason = " ".join(str(e).split())
         warnings.warn(f"--compile: decoding eagerly ({type(e).__name__}: {reason:.100})")
     return decode(model, tokenizer, input_ids, prompt_mask, n, max_new_tokens, temperature,
                   generator, forced)
@@ -1377,7 +1374,7 @@ def fuse(linears):
         sizes = [len(part) for part in parts]
         whole.data = whole.new_empty((sum(sizes), *whole.shape[1:]))
         for part, view in zip(parts, whole.data.split(sizes)):
-            part.data = view.copy_(part)  # (torch.cat refuses FP8 under autocast)
+            part.data = view.copy_(part)  # (cat refuses FP8 under autocast)
     fused.out_features = sum(linear.out_features for linear in linears)
     if getattr(fused, "nf4_state", None):
         assert fused.in_features % NF4_BLOCK == 0, "NF4 blocks would span rows"
@@ -1386,8 +1383,8 @@ def fuse(linears):
 
 
 class StaticDecoder:
-    """B rows in a static KV cache of L = P + R columns, one compiled graph for every layer,
-    buffers at fixed addresses (a CUDA graph's)."""
+    """B rows in a static KV cache of L = P + R columns, one compiled graph for every layer;
+    buffers at fixed addresses."""
 
     def __init__(self, model, tokenizer, n_rows, prompt_len, max_new_tokens, temperature):
         device = model.device
@@ -1411,8 +1408,8 @@ class StaticDecoder:
         angles = model.model.rotary_emb(weight, torch.arange(L, device=device)[None])  # eager
         self.rope = [table[0] for table in angles]  # (L, D) cos, sin (compiled ones round apart)
         self.valid = torch.ones(n_rows, L, dtype=torch.bool, device=device)  # not left padding
-        self.noise = torch.ones(n_rows, len(weight), device=device)  # (B, V) for `_pick`
-        self.replay = None  # `decode_one_token` `graphed` at first use
+        self.noise = torch.ones(n_rows, len(weight), device=device)  # (B, V): E in `_pick`
+        self.replay = None  # `graphed` at first use
 
         compiled = functools.partial(torch.compile, dynamic=False, fullgraph=True,  # or an error
                                      options={"emulate_precision_casts": True})  # eager rounding
