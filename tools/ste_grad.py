@@ -52,8 +52,26 @@ def parameter_groups(model, n_groups: int) -> dict[str, list[str]]:
 
 
 def gradients(model, tokenizer, fmt, rollout, coef, n, decode_path: bool):
-    """({name: grad} of sum(coef * logp), logp): the full forward's logp or the fed decode's."""
+    """({name: grad} of sum(coef * logp), logp): the full forward's logp or the fed decode's. A
+    weight's fake quantization is computed once per call (its value and gradient as at every use):
+    the decode would otherwise keep a copy of every weight per token for backward."""
     model.zero_grad()
+    plain, cache = qurl.fake_quant, {}
+
+    def once(x, fmt):  # a weight's fake-quantized copy made once, not at every decode step
+        if not isinstance(x, torch.nn.Parameter):
+            return plain(x, fmt)
+        if id(x) not in cache:
+            cache[id(x)] = plain(x, fmt)
+        return cache[id(x)]
+    qurl.fake_quant = once
+    try:
+        return _gradients(model, tokenizer, fmt, rollout, coef, n, decode_path)
+    finally:
+        qurl.fake_quant = plain
+
+
+def _gradients(model, tokenizer, fmt, rollout, coef, n, decode_path: bool):
     P = rollout.prompt_len
     with qurl.rollout_aligned(model, fmt), torch.enable_grad():
         if decode_path:  # decode's own loop, its no_grad decorator peeled off
