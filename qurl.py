@@ -688,8 +688,8 @@ def batch_logprobs(model, batch: dict, args) -> Tensor:
 
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
                    temperature: float = 1.0, micro_batch: int = 64) -> Tensor:
-    """(B, R) log-probs of the last R tokens of (B, P + R) rows, log_softmax(logits / T), by
-    micro-batch."""
+    """Teacher-forced (B, R) log-probs of the last R tokens of (B, P + R) rows: one full forward
+    each micro-batch, log_softmax(logits / T)."""
     R = response_mask.shape[1]
     if temperature <= 0:  # greedy rollouts are scored at T = 1
         temperature = 1.0

@@ -654,7 +654,7 @@ def test_aligned_value_is_the_decodes_bit_for_bit_where_a_full_forward_is_not(wi
 
 
 @pytest.mark.parametrize("quant", ["fp8", "int8", "nf4", "bf16"])
-def test_decode_teacher_forced_on_its_own_tokens_reproduces_logp_behav(wide, problems, quant):
+def test_decode_fed_its_own_tokens_reproduces_logp_behav(wide, problems, quant):
     """`decode` fed the tokens it drew (the same prompts, n and steps): every log-prob again,
     bit for bit: what the aligned value takes after an optimizer step, from a re-synced
     sampler."""
@@ -773,10 +773,10 @@ def test_cuda_aligned_logp_is_logp_behav_at_every_mini_batch(problems, compile, 
 def test_aligned_update_resyncs_the_rollouts_sampler_and_counts_flips_from_the_rollout(
         tiny, problems, monkeypatch):
     """--align-forward --mini-batches 2 at lr 1e-2: the first mini-batch's value is logp_behav;
-    the second's, after an optimizer step, the rollout's decode run again over all its rows, fed
-    its tokens, by the rollout's own sampler re-synced in place (a fresh sampler of the weights
-    after that step gives it bit for bit); no second sampler is made; the next step's flip rate
-    counts the codes changed since the rollout (by hand), not since the re-sync."""
+    the second's (`sampler_logprobs`), after an optimizer step, the rollout's decode run again over
+    all its rows, fed its tokens, by the rollout's own sampler re-synced in place (a fresh sampler
+    of the weights after that step gives it bit for bit); no second sampler is made; the next
+    step's flip rate counts the codes changed since the rollout (by hand), not since the re-sync."""
     import copy
     model, tok = copy.deepcopy(tiny[0]), tiny[1]
     sampler = qurl.make_sampler(model, "fp8", torch.float32)
@@ -2486,7 +2486,7 @@ def test_mismatch_lab_sources_change_only_what_they_claim(tiny, lab):
 
 def test_mismatch_lab_on_the_tiny_model(tmp_path, lab):
     """At the lab's defaults the floor is summation order alone (<= 1e-7); the aligned value (the
-    sampler's decode, teacher-forced) is the decode exactly, kl and kl_exact 0, for every aligned
+    sampler's decode, fed its tokens) is the decode exactly, kl and kl_exact 0, for every aligned
     precision, while QaRL's full-forward value stays off it; kl_exact >= 0 everywhere. --layers:
     the decode and the sampler's own full forward share the first layer's input exactly, then
     differ in the last bits (the floor's values) and, rarely here, in FP8 codes. On NF4's mismatch

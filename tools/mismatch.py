@@ -18,7 +18,7 @@ second quantizer):
     stale            the actor one RL step behind (one train_step, random rewards, between
                      sampling and pi_prox): what an asynchronous trainer accepts by design
     fp8_aligned      the FP8 sampler against qurl's aligned value (--align-forward): its own
-                     decode, teacher-forced over the tokens it drew (`decode(..., forced=...)`),
+                     decode fed the tokens it drew (`decode(..., forced=...)`),
                      what the value is after an optimizer step; int8, nf4, bf16 likewise
     fp8_aligned_forward  against QaRL's aligned value: a full forward through the sampler's own
                      quantized layers (qurl's before #38); int8, nf4, bf16 likewise
@@ -98,7 +98,7 @@ def take_stale_step(actor: nn.Module, tokenizer, problems: list[dict], opts) -> 
 
 
 def sample_recording(sampler, tokenizer, prompts, n, max_new_tokens, generator, forced=None):
-    """qurl's decode (`forced`: teacher-forced on those tokens), keeping the sampler's whole (B,
+    """qurl's decode (`forced`: fed those tokens), keeping the sampler's whole (B,
     R, V) log-distribution at every sampled position: each decode step's logits pass through
     qurl._pick, recorded here. Returns the rollout, those distributions, and the rows of each
     decode step (the decode drops finished rows from its batch)."""
@@ -215,7 +215,7 @@ def measure(sampler, prox_model, rollout, behav_full, prox_full, logp_prox, laye
 def prox_of(source, actor, sampler, rollout, tokenizer, prompts, problems, opts):
     """pi_prox for a source: (its model for --layers, (B, R, V) log-distributions, (B, R)
     log-probs of the sampled tokens). The actor teacher-forced; the stale actor; the sampler's
-    full forward (*_aligned_forward); its decode teacher-forced on its tokens (*_aligned)."""
+    full forward (*_aligned_forward); its decode fed its tokens (*_aligned)."""
     prox_model = actor
     if source == "stale":
         prox_model = take_stale_step(actor, tokenizer, problems, opts)
