@@ -445,7 +445,7 @@ class Rollout:
 @torch.no_grad()
 def sample(model, tokenizer, prompts: list[str], n: int = 1, max_new_tokens: int = 64,
            temperature: float = 1.0, generator: torch.Generator | None = None) -> Rollout:
-    """n samples of each prompt, with a KV cache (`decode`)."""
+    """n samples of each prompt (`decode`)."""
     input_ids, prompt_mask = encode(tokenizer, prompts, next(model.parameters()).device)
     return decode(model, tokenizer, input_ids, prompt_mask, n, max_new_tokens, temperature,
                   generator)
@@ -676,20 +676,20 @@ def fake_quant(x: Tensor, fmt: str) -> Tensor:
 
 
 def select(batch: dict, rows) -> dict:
-    """Some rows of a dict of row-aligned tensors."""
+    """Some rows of row-aligned tensors."""
     return {key: value[rows] for key, value in batch.items()}
 
 
 def batch_logprobs(model, batch: dict, args) -> Tensor:
-    """`token_logprobs` of a batch's rows."""
+    """`token_logprobs` of a batch."""
     return token_logprobs(model, batch["input_ids"], batch["attention_mask"],
                           batch["response_mask"], args.temperature, args.micro_batch)
 
 
 def token_logprobs(model, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
                    temperature: float = 1.0, micro_batch: int = 64) -> Tensor:
-    """Teacher-forced (B, R) log-probs of the last R tokens of (B, P + R) rows: one full forward
-    each micro-batch, log_softmax(logits / T)."""
+    """Teacher-forced (B, R) log-probs of the last R tokens of (B, P + R) rows, log_softmax(logits
+    / T): a full forward a micro-batch."""
     R = response_mask.shape[1]
     if temperature <= 0:  # greedy rollouts are scored at T = 1
         temperature = 1.0
@@ -909,7 +909,7 @@ def tbpo_ratio(logp: Tensor, logp_prox: Tensor, adv: Tensor, mask: Tensor,
 def mismatch_metrics(logp_prox: Tensor, logp_behav: Tensor, mask: Tensor,
                      is_cap: float = 2.0) -> dict:
     """Over the sampled tokens: k3 KL(pi_behav || pi_prox), mean |log w|, max w, the share of w
-    above C (TIS truncates it); w = pi_prox / pi_behav."""
+    above C (cut by TIS), w = pi_prox / pi_behav."""
     log_w = (logp_prox - logp_behav).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio_max = 1.0
     if mask.any():
