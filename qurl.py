@@ -579,7 +579,9 @@ def _finish(tokenizer, input_ids, prompt_mask, n, tokens, logp_behav, end) -> Ro
 
 def rollout_autocast(quant: str, device, dtype):
     """A half copy (bf16, fp16) decodes in its dtype, autocast off; others as the actor."""
-    return autocast(device, torch.float32 if quant in HALF else dtype)
+    if quant in HALF:
+        dtype = torch.float32
+    return autocast(device, dtype)
 
 
 def autocast(device, dtype):
@@ -1039,7 +1041,7 @@ def log_step(run, args, metrics):
 
 def save_checkpoint(learner, run):
     """What a run resumes from, moved into place by os.replace: a crash leaves a whole one."""
-    sampler = None  # its codes, the rollout's (the next flip rate counts from them)
+    sampler = None  # its codes: the rollout's, the next flip rate's reference
     if learner.sampler is not learner.actor:
         sampler = learner.sampler.state_dict() | (learner.rollout_codes or {})
     ckpt = {"step": run.step, "data_pos": run.data_pos, "skipped": run.skipped,
