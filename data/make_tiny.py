@@ -187,8 +187,8 @@ def main() -> None:
         opt.step()
         if step % EVAL_EVERY == 0:
             model.eval()
-            acc100 = qurl.evaluate(model, tok, problems[:100], max_new_tokens=32)["acc"]
-            acc = (acc100 * 100 + qurl.evaluate(model, tok, problems[100:], max_new_tokens=32)["acc"] * 400) / 500
+            acc100 = qurl.evaluate(model, tok, problems[:100], max_new_tokens=32)
+            acc = (acc100 * 100 + qurl.evaluate(model, tok, problems[100:], max_new_tokens=32) * 400) / 500
             model.train()
             print(f"step {step} loss {loss.item():.3f} held-out acc {acc:.3f} (first 100: {acc100:.2f}) "
                   f"[{time.time() - t0:.0f}s]", flush=True)
