@@ -2540,6 +2540,35 @@ def test_plot_writes_png(tmp_path):
     with pytest.raises(SystemExit):
         plot.main([str(tmp_path / "nope"), "--out", str(out)])
 
+
+def test_plot_arms_average_their_seeds(tmp_path, capsys):
+    """--table and --arms group runs ARM-sN by ARM: the end accuracy, the evaluations from step
+    end - last on and each metric's mean over the last `last` steps, mean ± sample std over the
+    seeds (hand-computed here); the figure shades the seeds' range."""
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed")
+    runs = {"a-s1": ([0.1, 0.3, 0.5], 0.2), "a-s2": ([0.2, 0.5, 0.7], 0.4), "b-s1": ([0.1] * 3, 0.0)}
+    for name, (evals, kl) in runs.items():
+        (tmp_path / name).mkdir()
+        rows = [{"step": step, "mismatch/kl": kl + step / 100,
+                 "eval/acc": evals[step // 2 - 1] if step % 2 == 0 else None}
+                for step in range(1, 7)]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plot = _script(HERE / "tools" / "plot.py", "plot")
+    plot.main([str(tmp_path / name) for name in runs] + ["--table", "--last", "2",
+                                                          "--metrics", "mismatch/kl"])
+    table = capsys.readouterr().out.splitlines()
+    # a: end 50, 70 -> 60 ± 14.1; evals at steps >= 4: (30 + 50) / 2, (50 + 70) / 2 -> 50 ± 14.1;
+    # kl over steps 5, 6: 0.255, 0.455 -> 0.355 ± 0.141
+    assert table[2] == ("| a | 2 | 60.0 ± 14.1 (50.0, 70.0) | 50.0 ± 14.1 (40.0, 60.0) | "
+                        "0.355 ± 0.141 (0.255, 0.455) |")
+    assert table[3] == "| b | 1 | 10.0 (one seed) | 10.0 (one seed) | 0.055 (one seed) |"
+    fig = plot.plot_runs([str(tmp_path / name) for name in runs], str(tmp_path / "arms.png"),
+                         ["eval/acc", "mismatch/kl"], arms=True)
+    acc = fig.axes[0]
+    assert [line.get_label() for line in acc.lines] == ["a", "b"]
+    assert list(acc.lines[0].get_ydata()) == pytest.approx([0.15, 0.4, 0.6])
+    assert len(acc.collections) == 1  # one shaded range: arm a's two seeds
+
 # ==================================================================================================
 # The file itself: copyable method functions, metric names in one place
 # ==================================================================================================

@@ -2,11 +2,17 @@
 
 Reward, held-out accuracy, mismatch KL, sampled entropy, clip fractions, the share of truncated
 importance weights and flip rate per step of each run folder's metrics.jsonl (per-step series
-smoothed), one line per run.
+smoothed), one line per run. `--arms`: runs named ARM-sN are one arm, drawn as the seeds' mean
+with their range shaded; `--table`: each arm's numbers at the end as a markdown table (held-out
+accuracy at the last step, the mean of the evaluations from `--last` steps before it on and of
+each metric over the last `--last` steps; mean ± standard deviation over the seeds, the seeds in
+brackets).
 """
 
 import argparse
 import json
+import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -31,31 +37,70 @@ def _smooth(points: list[tuple], window: int) -> list[tuple]:
     return out
 
 
-def plot_runs(run_dirs: list[str], out: str = "runs.png"):
-    """One panel per metric in PANELS, one line per run; returns the figure."""
+def read_run(run: str) -> tuple[list[dict], float | None]:
+    """A run folder's metrics rows and its start accuracy (summary.json), or exit with why."""
+    metrics, summary = Path(run) / "metrics.jsonl", Path(run) / "summary.json"
+    if not metrics.is_file():
+        sys.exit(f"plot: {metrics} not found (is {run} a run folder?)")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    start = json.loads(summary.read_text()).get("start_eval_acc") if summary.is_file() else None
+    return rows, start
+
+
+def series(rows: list[dict], start: float | None, key: str) -> list[tuple]:
+    """(step, value) of one metric; eval/acc from step 0."""
+    points = [(0, start)] if key == "eval/acc" and start is not None else []
+    return points + [(row["step"], row[key]) for row in rows if row.get(key) is not None]
+
+
+def arms_of(runs: list[str]) -> dict[str, list[str]]:
+    """Run folders grouped by their name without its -sN seed suffix, in the order given."""
+    arms = {}
+    for run in runs:
+        arms.setdefault(re.sub(r"-s\d+$", "", Path(run).name), []).append(run)
+    return arms
+
+
+def plot_runs(run_dirs: list[str], out: str = "runs.png", keys: list[str] | None = None,
+              arms: bool = False):
+    """One panel per metric (PANELS by default), one line per run or per arm (the seeds' mean,
+    their range shaded); returns the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 4, figsize=(20, 7.2))
-    for run in run_dirs:
-        metrics, summary = Path(run) / "metrics.jsonl", Path(run) / "summary.json"
-        if not metrics.is_file():
-            sys.exit(f"plot: {metrics} not found (is {run} a run folder?)")
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        start = json.loads(summary.read_text()).get("start_eval_acc") if summary.is_file() else None
-        for ax, (key, title) in zip(axes.flat, PANELS.items()):
-            points = [(0, start)] if key == "eval/acc" and start is not None else []
-            points += [(row["step"], row[key]) for row in rows if row.get(key) is not None]
+    keys = keys or list(PANELS)
+    columns = min(4, len(keys))
+    rows_of_panels = -(-len(keys) // columns)
+    fig, axes = plt.subplots(rows_of_panels, columns, figsize=(5 * columns, 3.6 * rows_of_panels),
+                             squeeze=False)
+    groups = arms_of(run_dirs) if arms else {Path(run).name: [run] for run in run_dirs}
+    for label, runs in groups.items():
+        runs_read = [read_run(run) for run in runs]
+        for ax, key in zip(axes.flat, keys):
+            per_run = [dict(series(rows, start, key)) for rows, start in runs_read]
+            steps = sorted(set.intersection(*(set(points) for points in per_run)))
+            points = [(x, statistics.mean(points[x] for points in per_run)) for x in steps]
+            low = [min(points[x] for points in per_run) for x in steps]
+            high = [max(points[x] for points in per_run) for x in steps]
             if key == "mismatch/kl":  # a log axis: an exact zero (--quant none) sits at 1e-12
                 points = [(x, max(v, 1e-12)) for x, v in points]
+                low, high = [max(v, 1e-12) for v in low], [max(v, 1e-12) for v in high]
             if key != "eval/acc" and len(points) > 20:
-                points = _smooth(points, max(1, len(points) // 25))
+                window = max(1, len(points) // 25)
+                points = _smooth(points, window)
+                low = [v for _, v in _smooth(list(zip(steps, low)), window)]
+                high = [v for _, v in _smooth(list(zip(steps, high)), window)]
             if points:
                 marker = "o" if key == "eval/acc" else None
-                ax.plot(*zip(*points), label=Path(run).name, marker=marker, markersize=3)
-            ax.set(title=title, xlabel="step", yscale="log" if key == "mismatch/kl" else "linear")
+                (line,) = ax.plot(*zip(*points), label=label, marker=marker, markersize=3)
+                if len(runs) > 1:
+                    ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
+            scale = "log" if key == "mismatch/kl" else "linear"
+            ax.set(title=PANELS.get(key, key), xlabel="step", yscale=scale)
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
     for ax in axes.flat:
         if ax.get_yscale() == "linear":
             ax.ticklabel_format(axis="y", useOffset=False)  # values as they are, not 1e-12 + x
@@ -67,12 +112,53 @@ def plot_runs(run_dirs: list[str], out: str = "runs.png"):
     return fig
 
 
+def _spread(values: list[float], digits: str) -> str:
+    """mean ± sample standard deviation (the values), or the one value."""
+    listed = ", ".join(format(v, digits) for v in values)
+    if len(values) == 1:
+        return f"{format(values[0], digits)} (one seed)"
+    mean, std = statistics.mean(values), statistics.stdev(values)
+    return f"{format(mean, digits)} ± {format(std, digits)} ({listed})"
+
+
+def arm_table(run_dirs: list[str], keys: list[str], last: int = 20) -> str:
+    """A markdown row per arm: eval/acc (%) at the last step, the mean of the evaluations from
+    step last_step - last on, each key's mean over the last `last` steps; across seeds, mean ±
+    std."""
+    head = ["arm", "seeds", "acc at end, %", f"acc, evals at steps >= end - {last}, %", *keys]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm, runs in arms_of(run_dirs).items():
+        end, late, means = [], [], {key: [] for key in keys}
+        for rows, _ in map(read_run, runs):
+            final = rows[-1]["step"]
+            tail = [row for row in rows if row["step"] > final - last]
+            evals = [row["eval/acc"] for row in rows
+                     if row["step"] >= final - last and row.get("eval/acc") is not None]
+            end.append(100 * rows[-1]["eval/acc"])
+            late.append(100 * statistics.mean(evals))
+            for key in keys:
+                values = [row[key] for row in tail if row.get(key) is not None]
+                means[key].append(statistics.mean(values) if values else float("nan"))
+        cells = [arm, str(len(runs)), _spread(end, ".1f"), _spread(late, ".1f")]
+        cells += [_spread(means[key], ".3g") for key in keys]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="tools/plot.py", description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", help="run folders (runs/NAME)")
     parser.add_argument("--out", default="runs.png", help="the figure to write")
+    parser.add_argument("--metrics", help="comma-separated metric keys (default: the 8 panels)")
+    parser.add_argument("--arms", action="store_true", help="runs ARM-sN as one arm: mean, range")
+    parser.add_argument("--table", action="store_true", help="print the arms' table, no figure")
+    parser.add_argument("--last", type=int, default=20, help="--table: steps at the end")
     opts = parser.parse_args(argv)
-    plot_runs(opts.runs, opts.out)
+    keys = opts.metrics.split(",") if opts.metrics else None
+    if opts.table:
+        print(arm_table(opts.runs, keys or list(PANELS), opts.last))
+        return
+    plot_runs(opts.runs, opts.out, keys, opts.arms)
 
 
 if __name__ == "__main__":
