@@ -2546,7 +2546,8 @@ def test_plot_arms_average_their_seeds(tmp_path, capsys):
     end - last on and each metric's mean over the last `last` steps, mean ± sample std over the
     seeds (hand-computed here); the figure shades the seeds' range."""
     pytest.importorskip("matplotlib", reason="matplotlib is not installed")
-    runs = {"a-s1": ([0.1, 0.3, 0.5], 0.2), "a-s2": ([0.2, 0.5, 0.7], 0.4), "b-s1": ([0.1] * 3, 0.0)}
+    runs = {"a-s1": ([0.1, 0.3, 0.5], 0.2), "a-s2": ([0.2, 0.5, 0.7], 0.4),
+            "b-s1": ([0.1] * 3, 0.0)}
     for name, (evals, kl) in runs.items():
         (tmp_path / name).mkdir()
         rows = [{"step": step, "mismatch/kl": kl + step / 100,
