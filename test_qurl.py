@@ -2559,14 +2559,16 @@ def test_plot_writes_png(tmp_path):
 def test_plot_arms_average_their_seeds(tmp_path, capsys):
     """--table and --arms group runs ARM-sN by ARM: the end accuracy, the evaluations from step
     end - last on and each metric's mean over the last `last` steps, mean ± sample std over the
-    seeds (hand-computed here); the figure shades the seeds' range."""
+    seeds (hand-computed here); the figure shades the seeds' range and keeps an arm's colour in
+    every panel."""
     pytest.importorskip("matplotlib", reason="matplotlib is not installed")
     runs = {"a-s1": ([0.1, 0.3, 0.5], 0.2), "a-s2": ([0.2, 0.5, 0.7], 0.4),
             "b-s1": ([0.1] * 3, 0.0)}
     for name, (evals, kl) in runs.items():
         (tmp_path / name).mkdir()
         rows = [{"step": step, "mismatch/kl": kl + step / 100,
-                 "eval/acc": evals[step // 2 - 1] if step % 2 == 0 else None}
+                 "eval/acc": evals[step // 2 - 1] if step % 2 == 0 else None,
+                 "tbpo/kept": 0.5 if name == "b-s1" else None}
                 for step in range(1, 7)]
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     plot = _script(HERE / "tools" / "plot.py", "plot")
@@ -2579,9 +2581,10 @@ def test_plot_arms_average_their_seeds(tmp_path, capsys):
                         "0.355 ± 0.141 (0.255, 0.455) |")
     assert table[3] == "| b | 1 | 10.0 (one seed) | 10.0 (one seed) | 0.055 (one seed) |"
     fig = plot.plot_runs([str(tmp_path / name) for name in runs], str(tmp_path / "arms.png"),
-                         ["eval/acc", "mismatch/kl"], arms=True)
-    acc = fig.axes[0]
+                         ["eval/acc", "mismatch/kl", "tbpo/kept"], arms=True)
+    acc, kept = fig.axes[0], fig.axes[2]
     assert [line.get_label() for line in acc.lines] == ["a", "b"]
+    assert kept.lines[0].get_color() == acc.lines[1].get_color()  # b's colour where a has none
     assert list(acc.lines[0].get_ydata()) == pytest.approx([0.15, 0.4, 0.6])
     assert len(acc.collections) == 1  # one shaded range: arm a's two seeds
 

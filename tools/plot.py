@@ -76,7 +76,8 @@ def plot_runs(run_dirs: list[str], out: str = "runs.png", keys: list[str] | None
     fig, axes = plt.subplots(rows_of_panels, columns, figsize=(5 * columns, 3.6 * rows_of_panels),
                              squeeze=False)
     groups = arms_of(run_dirs) if arms else {Path(run).name: [run] for run in run_dirs}
-    for label, runs in groups.items():
+    for number, (label, runs) in enumerate(groups.items()):
+        color = f"C{number % 10}"  # one colour a run in every panel, even where others have no line
         runs_read = [read_run(run) for run in runs]
         for ax, key in zip(axes.flat, keys):
             per_run = [dict(series(rows, start, key)) for rows, start in runs_read]
@@ -94,9 +95,9 @@ def plot_runs(run_dirs: list[str], out: str = "runs.png", keys: list[str] | None
                 high = [v for _, v in _smooth(list(zip(steps, high)), window)]
             if points:
                 marker = "o" if key == "eval/acc" else None
-                (line,) = ax.plot(*zip(*points), label=label, marker=marker, markersize=3)
+                ax.plot(*zip(*points), label=label, color=color, marker=marker, markersize=3)
                 if len(runs) > 1:
-                    ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15)
+                    ax.fill_between(steps, low, high, color=color, alpha=0.15)
             scale = "log" if key == "mismatch/kl" else "linear"
             ax.set(title=PANELS.get(key, key), xlabel="step", yscale=scale)
     for ax in axes.flat[len(keys):]:
