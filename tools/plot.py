@@ -81,21 +81,18 @@ def plot_runs(run_dirs: list[str], out: str = "runs.png", keys: list[str] | None
         runs_read = [read_run(run) for run in runs]
         for ax, key in zip(axes.flat, keys):
             per_run = [dict(series(rows, start, key)) for rows, start in runs_read]
-            steps = sorted(set.intersection(*(set(points) for points in per_run)))
-            points = [(x, statistics.mean(points[x] for points in per_run)) for x in steps]
-            low = [min(points[x] for points in per_run) for x in steps]
-            high = [max(points[x] for points in per_run) for x in steps]
+            steps = sorted(set.intersection(*(set(values) for values in per_run)))
+            at_step = [[values[x] for values in per_run] for x in steps]  # the seeds' values
+            curves = [list(map(f, at_step)) for f in (statistics.mean, min, max)]
             if key == "mismatch/kl":  # a log axis: an exact zero (--quant none) sits at 1e-12
-                points = [(x, max(v, 1e-12)) for x, v in points]
-                low, high = [max(v, 1e-12) for v in low], [max(v, 1e-12) for v in high]
-            if key != "eval/acc" and len(points) > 20:
-                window = max(1, len(points) // 25)
-                points = _smooth(points, window)
-                low = [v for _, v in _smooth(list(zip(steps, low)), window)]
-                high = [v for _, v in _smooth(list(zip(steps, high)), window)]
-            if points:
+                curves = [[max(v, 1e-12) for v in curve] for curve in curves]
+            if key != "eval/acc" and len(steps) > 20:
+                window = max(1, len(steps) // 25)
+                curves = [[v for _, v in _smooth(list(zip(steps, c)), window)] for c in curves]
+            mean, low, high = curves
+            if steps:
                 marker = "o" if key == "eval/acc" else None
-                ax.plot(*zip(*points), label=label, color=color, marker=marker, markersize=3)
+                ax.plot(steps, mean, label=label, color=color, marker=marker, markersize=3)
                 if len(runs) > 1:
                     ax.fill_between(steps, low, high, color=color, alpha=0.15)
             scale = "log" if key == "mismatch/kl" else "linear"
