@@ -2580,6 +2580,11 @@ def test_plot_arms_average_their_seeds(tmp_path, capsys):
     assert table[2] == ("| a | 2 | 60.0 ± 14.1 (50.0, 70.0) | 50.0 ± 14.1 (40.0, 60.0) | "
                         "0.355 ± 0.141 (0.255, 0.455) |")
     assert table[3] == "| b | 1 | 10.0 (one seed) | 10.0 (one seed) | 0.055 (one seed) |"
+    (tmp_path / "cut-s1").mkdir()  # stopped at step 5, after its evaluation at 4: said, not a crash
+    cut = [{"step": step, "eval/acc": 0.5 if step == 4 else None} for step in range(1, 6)]
+    (tmp_path / "cut-s1" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in cut))
+    with pytest.raises(SystemExit, match="cut-s1 ends at step 5 without an evaluation"):
+        plot.main([str(tmp_path / "cut-s1"), "--table"])
     fig = plot.plot_runs([str(tmp_path / name) for name in runs], str(tmp_path / "arms.png"),
                          ["eval/acc", "mismatch/kl", "tbpo/kept"], arms=True)
     acc, kept = fig.axes[0], fig.axes[2]

@@ -127,8 +127,12 @@ def arm_table(run_dirs: list[str], keys: list[str], last: int = 20) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, runs in arms_of(run_dirs).items():
         end, late, means = [], [], {key: [] for key in keys}
-        for rows, _ in map(read_run, runs):
+        for run in runs:
+            rows, _ = read_run(run)
             final = rows[-1]["step"]
+            if rows[-1].get("eval/acc") is None:
+                sys.exit(f"plot: {run} ends at step {final} without an evaluation (cut before "
+                         "its last one?): --table needs a finished run")
             tail = [row for row in rows if row["step"] > final - last]
             evals = [row["eval/acc"] for row in rows
                      if row["step"] >= final - last and row.get("eval/acc") is not None]
