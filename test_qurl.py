@@ -2573,13 +2573,14 @@ def test_plot_arms_average_their_seeds(tmp_path, capsys):
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     plot = _script(HERE / "tools" / "plot.py", "plot")
     plot.main([str(tmp_path / name) for name in runs] + ["--table", "--last", "2",
-                                                          "--metrics", "mismatch/kl"])
+                                                          "--metrics", "mismatch/kl,tbpo/kept"])
     table = capsys.readouterr().out.splitlines()
     # a: end 50, 70 -> 60 ± 14.1; evals at steps >= 4: (30 + 50) / 2, (50 + 70) / 2 -> 50 ± 14.1;
-    # kl over steps 5, 6: 0.255, 0.455 -> 0.355 ± 0.141
+    # kl over steps 5, 6: 0.255, 0.455 -> 0.355 ± 0.141; tbpo/kept: a logs none
     assert table[2] == ("| a | 2 | 60.0 ± 14.1 (50.0, 70.0) | 50.0 ± 14.1 (40.0, 60.0) | "
-                        "0.355 ± 0.141 (0.255, 0.455) |")
-    assert table[3] == "| b | 1 | 10.0 (one seed) | 10.0 (one seed) | 0.055 (one seed) |"
+                        "0.355 ± 0.141 (0.255, 0.455) | — |")
+    assert table[3] == ("| b | 1 | 10.0 (one seed) | 10.0 (one seed) | 0.055 (one seed) | "
+                        "0.5 (one seed) |")
     (tmp_path / "cut-s1").mkdir()  # stopped at step 5, after its evaluation at 4: said, not a crash
     cut = [{"step": step, "eval/acc": 0.5 if step == 4 else None} for step in range(1, 6)]
     (tmp_path / "cut-s1" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in cut))

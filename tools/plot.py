@@ -111,7 +111,10 @@ def plot_runs(run_dirs: list[str], out: str = "runs.png", keys: list[str] | None
 
 
 def _spread(values: list[float], digits: str) -> str:
-    """mean ± sample standard deviation (the values), or the one value."""
+    """mean ± sample standard deviation (the values), or the one value; — where the arm does not log
+    the metric."""
+    if any(v != v for v in values):  # NaN: a run without the metric (acr's tbpo/kept)
+        return "—"
     listed = ", ".join(format(v, digits) for v in values)
     if len(values) == 1:
         return f"{format(values[0], digits)} (one seed)"
