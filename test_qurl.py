@@ -2293,18 +2293,16 @@ def test_compile_end_to_end(tmp_path):
 # ==================================================================================================
 # Tools (tools/): the dry run and its memory estimate, benchmarks, plots
 # ==================================================================================================
-def test_cli_help_and_dry_run():
+def test_cli_help_and_dry_run(dry_run, capsys):
     res = run_cli("--help", fresh=True)  # the real entry point
     assert res.returncode == 0 and "--invariant-scale" in res.stdout and "W4A16 nf4" in res.stdout
     flags = [f for f in dataclasses.fields(qurl.Args)]
     assert len(flags) <= 32 and res.stdout.count("\n  --") >= len(flags)
-    res = subprocess.run([sys.executable, str(HERE / "tools/dry_run.py"), "--quant", "fp8",
-                          "--train-data", _train_head()],
-                         capture_output=True, text=True, cwd=HERE, timeout=120)
-    assert res.returncode == 0, res.stderr
-    assert "Qwen2ForCausalLM" in res.stdout and "512 train, 500 test" in res.stdout
-    assert "Q: What is" in res.stdout and "sampler (fp8)" in res.stdout
-    assert "estimated peak on cpu in float32: update" in res.stdout
+    dry_run.main(["--quant", "fp8", "--train-data", _train_head()])  # bench.py's test: a command
+    out = capsys.readouterr().out
+    assert "Qwen2ForCausalLM" in out and "512 train, 500 test" in out
+    assert "Q: What is" in out and "sampler (fp8)" in out
+    assert "estimated peak on cpu in float32: update" in out
 
 
 @pytest.fixture(scope="module")
