@@ -1896,9 +1896,9 @@ def test_missing_or_unknown_data_file(tmp_path):
     (["--dtype", "float16"], ["--dtype float16 is not supported", "bfloat16"]),
 ])
 def test_bad_cli_input_one_line(tmp_path, argv, needles):
-    # the ones that look for a model or data set run in a fresh process with an empty Hugging Face
-    # cache: a machine that once downloaded the hub model or data set must still see "offline"
-    env = {"HF_HOME": str(tmp_path / "hf")} if "--steps" in argv else {}
+    # the ones that look on the hub run in a fresh process with an empty Hugging Face cache: a
+    # machine that once downloaded the hub model or data set must still see "offline"
+    env = {"HF_HOME": str(tmp_path / "hf")} if "offline" in needles else {}
     assert_one_line_error(run_cli(*argv, "--out-dir", str(tmp_path), **env), *needles)
 
 
