@@ -2110,24 +2110,35 @@ def _flips(model, rollout, threshold=1e-4):
 
 
 def test_compiled_decode_equals_the_eager_one(tiny, problems, compiled_fp8):
-    """FP8: greedy tokens equal the eager sampler's; at T = 1 the sampled tokens' logp_behav equal
-    teacher-forced log-probs as closely as the eager sampler's do: for FP8 the rare flip of an
-    activation code no more often than in the eager decode (the fp32 actor's, within 1e-5: the
-    compiled aligned test). 64 prompts in the aligned test's shapes (4 prompts x 4 rows, 12 new
-    tokens): its FP8 graphs, compiled once for the suite (greedy adds the drawing ones)."""
+    """FP8: greedy tokens equal the eager sampler's, rows ending at a stop token or at the limit;
+    at T = 1 the sampled tokens' logp_behav equal teacher-forced log-probs as closely as the eager
+    sampler's do: for FP8 the rare flip of an activation code no more often than in the eager
+    decode (the fp32 actor's, within 1e-5: the compiled aligned test). 64 prompts in the aligned
+    test's shapes (4 prompts x 4 rows, 12 new tokens): its FP8 graphs, compiled once for the
+    suite (greedy adds the drawing ones)."""
     model, sampler = compiled_fp8
     tok, prompts = tiny[1], _mixed_prompts(tiny[1], problems, 64)
+    config, eos = sampler.generation_config, sampler.generation_config.eos_token_id
+    newline = tok("\n", add_special_tokens=False)["input_ids"]  # answers reach it in 6 to 20
     flips, tokens = {"compiled": 0.0, "eager": 0.0}, {"compiled": 0.0, "eager": 0.0}
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # every precision compiles
-        for i in range(0, 64, 4):
-            batch = prompts[i:i + 4]
-            if i < 16:  # greedy: 16 prompts
-                compiled = qurl.compiled_sample(sampler, tok, batch, 4, 12, 0.0)
-                eager = qurl.sample(sampler, tok, batch, 4, 12, 0.0)
+        ended = []
+        try:
+            config.eos_token_id = qurl.stop_token_ids(sampler, tok) + newline
+            for i in range(0, 16, 4):  # greedy
+                compiled = qurl.compiled_sample(sampler, tok, prompts[i:i + 4], 4, 12, 0.0)
+                eager = qurl.sample(sampler, tok, prompts[i:i + 4], 4, 12, 0.0)
                 assert compiled.texts == eager.texts and (compiled.response_mask.sum(1) > 1).all()
+                ended += (~compiled.truncated).tolist()
+        finally:
+            config.eos_token_id = eos
+        assert any(ended) and not all(ended)
+
+        for i in range(0, 64, 4):
             for name, sample in (("compiled", qurl.compiled_sample), ("eager", qurl.sample)):
-                ro = sample(sampler, tok, batch, 4, 12, 1.0, torch.Generator().manual_seed(i))
+                ro = sample(sampler, tok, prompts[i:i + 4], 4, 12, 1.0,
+                            torch.Generator().manual_seed(i))
                 n = float(ro.response_mask.sum())
                 flips[name] += _flips(sampler, ro) * n
                 tokens[name] += n
