@@ -2120,7 +2120,6 @@ def test_compiled_decode_equals_the_eager_one(tiny, problems, compiled_fp8):
     tok, prompts = tiny[1], _mixed_prompts(tiny[1], problems, 64)
     config, eos = sampler.generation_config, sampler.generation_config.eos_token_id
     newline = tok("\n", add_special_tokens=False)["input_ids"]  # answers reach it in 6 to 20
-    flips, tokens = {"compiled": 0.0, "eager": 0.0}, {"compiled": 0.0, "eager": 0.0}
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # every precision compiles
         ended = []
@@ -2135,7 +2134,8 @@ def test_compiled_decode_equals_the_eager_one(tiny, problems, compiled_fp8):
             config.eos_token_id = eos
         assert any(ended) and not all(ended)
 
-        for i in range(0, 64, 4):
+        flips, tokens = {"compiled": 0.0, "eager": 0.0}, {"compiled": 0.0, "eager": 0.0}
+        for i in range(0, 64, 4):  # sampled
             for name, sample in (("compiled", qurl.compiled_sample), ("eager", qurl.sample)):
                 ro = sample(sampler, tok, prompts[i:i + 4], 4, 12, 1.0,
                             torch.Generator().manual_seed(i))
