@@ -961,14 +961,14 @@ class RunState:
 
 
 def start_run(args):
-    """Check model, data, folder; build the learner; only then write; evaluate the start."""
+    """Check data, model, folder; build the learner; only then write; evaluate the start."""
     device, dtype = resolve_device_dtype(args.dtype)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    actor, tokenizer = load_model(args.model, device, torch.float32)  # fp32 master weights
-    prepare_actor(actor, args.grad_checkpointing)
     train_set = load_problems(args.train_data, "train")
     test_set = load_problems(args.test_data, "test")[:args.eval_size or None]
+    actor, tokenizer = load_model(args.model, device, torch.float32)  # fp32 master weights
+    prepare_actor(actor, args.grad_checkpointing)
     check_prompt_lengths(actor, tokenizer, train_set + test_set, args.max_new_tokens)
     folder = run_dir(args)
 
