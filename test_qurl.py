@@ -2314,7 +2314,7 @@ def test_compile_end_to_end(tmp_path):
 # Tools (tools/): the dry run and its memory estimate, benchmarks, plots
 # ==================================================================================================
 def test_cli_help_and_dry_run(dry_run, capsys):
-    res = run_cli("--help", fresh=True)  # the real entry point
+    res = run_cli("--help")  # (the entry point as a command: the fresh CLI errors' tests)
     assert res.returncode == 0 and "--invariant-scale" in res.stdout and "W4A16 nf4" in res.stdout
     flags = [f for f in dataclasses.fields(qurl.Args)]
     assert len(flags) <= 32 and res.stdout.count("\n  --") >= len(flags)
@@ -2575,7 +2575,7 @@ def test_plot_writes_png(tmp_path):
         "matplotlib", reason="matplotlib is not installed (it is in requirements.txt)"
     )
     for name, quant in (("p_none", "none"), ("p_fp8", "fp8")):
-        qurl.train(_small_args(tmp_path, run_name=name, quant=quant, steps=3, eval_every=1))
+        qurl.train(_small_args(tmp_path, run_name=name, quant=quant, eval_every=1))
     out = tmp_path / "fig" / "cmp.png"
     plot = _script(HERE / "tools" / "plot.py", "plot")
     # one update per rollout clips no token: the clip panel shows 0 on a plain axis
