@@ -967,12 +967,12 @@ def start_run(args):
     torch.manual_seed(args.seed)
     train_set = load_problems(args.train_data, "train")
     test_set = load_problems(args.test_data, "test")[:args.eval_size or None]
-    actor, tokenizer = load_model(args.model, device, torch.float32)  # fp32 master weights
+    actor, tokenizer = load_model(args.model, device, torch.float32)
     prepare_actor(actor, args.grad_checkpointing)
     check_prompt_lengths(actor, tokenizer, train_set + test_set, args.max_new_tokens)
     folder = run_dir(args)
 
-    s = args.invariant_scale  # default: 1 for --quant none, else 1.5
+    s = args.invariant_scale
     if s is None:
         s = 1.0 if args.quant == "none" else 1.5
     if s != 1.0:
@@ -998,9 +998,8 @@ def start_run(args):
 
     run.t_start = time.time()
     if not ckpt:
-        run.first_eval = run_eval(learner, args, test_set)
+        run.first_eval = run.last_eval = run_eval(learner, args, test_set)
         notice(f"step 0: eval/acc {run.first_eval:.3f} on {len(test_set)} held-out problems")
-    run.last_eval = run.first_eval
     return learner, run
 
 
@@ -1045,8 +1044,8 @@ def save_checkpoint(learner, run):
     if learner.sampler is not learner.actor:
         sampler = learner.sampler.state_dict() | (learner.rollout_codes or {})
     ckpt = {"step": run.step, "data_pos": run.data_pos, "skipped": run.skipped,
-            "first_eval": run.first_eval, "actor": learner.actor.state_dict(),
-            "optimizer": learner.optimizer.state_dict(), "sampler": sampler,
+            "first_eval": run.first_eval, "last_eval": run.last_eval, "sampler": sampler,
+            "actor": learner.actor.state_dict(), "optimizer": learner.optimizer.state_dict(),
             "rng": (random.getstate(), torch.get_rng_state(), learner.generator.get_state())}
     torch.save(ckpt, run.dir / "ckpt.pt.tmp")
     os.replace(run.dir / "ckpt.pt.tmp", run.dir / "ckpt.pt")
@@ -1123,6 +1122,7 @@ def resume_from(learner, run, ckpt):
         learner.sampler.load_state_dict(ckpt["sampler"])
     run.step, run.data_pos, run.skipped = ckpt["step"], ckpt["data_pos"], ckpt["skipped"]
     run.first_eval = ckpt["first_eval"]
+    run.last_eval = ckpt.get("last_eval", run.first_eval)  # older checkpoints lack it
     random.setstate(ckpt["rng"][0])
     torch.set_rng_state(ckpt["rng"][1])
     learner.generator.set_state(ckpt["rng"][2])
