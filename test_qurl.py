@@ -1900,12 +1900,12 @@ def test_bad_cli_input_one_line(tmp_path, argv, needles):
 
 
 def test_hub_names_offline_say_so_in_one_line(tmp_path):
-    """A hub model or data set, offline: fresh processes (at once) with an empty Hugging Face
-    cache, so that a machine that once downloaded them must still see "offline"."""
+    """A hub model or data set, offline: fresh processes (at once), each with an empty Hugging
+    Face cache of its own, so that a machine that once downloaded them must still see "offline"."""
     runs = {("--model", "Qwen/Qwen2.5-0.5B-Instruct"): ["offline", "data/tiny-qwen"],
             ("--train-data", "openai/gsm8k"): ["offline", "local"]}
     pending = {flags: run_cli("--steps", "0", *flags, "--out-dir", str(tmp_path), wait=False,
-                              HF_HOME=str(tmp_path / "hf")) for flags in runs}
+                              HF_HOME=str(tmp_path / f"hf{i}")) for i, flags in enumerate(runs)}
     for flags, needles in runs.items():
         assert_one_line_error(pending[flags](), *needles)
 
