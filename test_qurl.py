@@ -77,7 +77,11 @@ def run_cli(*argv, fresh=False, wait=True, **env_extra):
                                    stderr=subprocess.PIPE)
 
         def result():
-            out, err = process.communicate(timeout=120)
+            try:
+                out, err = process.communicate(timeout=120)
+            except subprocess.TimeoutExpired:  # as subprocess.run does: none left behind
+                process.kill()
+                raise
             return subprocess.CompletedProcess(argv, process.returncode, out, err)
         return result() if wait else result
     out, err, code = io.StringIO(), io.StringIO(), 0
