@@ -62,7 +62,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-HERE = Path(__file__).resolve().parent
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its note on an optional package
 
 
@@ -161,12 +160,12 @@ def train_step(learner, args, problems: list[dict], step: int) -> dict:
     rollout_s = time.time() - start
 
     golds = [p["gold"] for p in problems for _ in range(G)]  # 3. rewards, GRPO advantages
-    rewards = torch.tensor([reward(text, gold) for text, gold in zip(rollout.texts, golds)])
+    rewards = torch.tensor([reward(text, gold) for text, gold in zip(rollout.texts, golds)],
+                           device=device)
     adv, has_signal = group_advantages(rewards, G)  # (B,) each
-    has_signal = has_signal.to(device)
     batch = {"input_ids": rollout.input_ids, "attention_mask": rollout.attention_mask,
              "response_mask": rollout.response_mask, "logp_behav": rollout.logp_behav,
-             "adv": adv.to(device), "row": torch.arange(len(adv), device=device)}
+             "adv": adv, "row": torch.arange(len(adv), device=device)}
 
     fmt = args.quant if args.align_forward else None  # 4. pi_prox and the update
     with autocast(device, learner.dtype), rollout_aligned(learner.actor, fmt):
@@ -936,7 +935,7 @@ LOG_EVERY, SAVE_EVERY = 10, 50  # steps between progress lines, checkpoints
 class Learner:
     """What an RL step touches."""
     actor: nn.Module  # fp32 master weights
-    optimizer: torch.optim.Optimizer  # AdamW, fp32 state
+    optimizer: torch.optim.Optimizer
     sampler: nn.Module  # the rollout's copy (--quant none: the actor)
     tokenizer: object
     generator: torch.Generator  # the sampler's random numbers
@@ -1058,8 +1057,6 @@ def finish_run(learner, run, args):
         invariant_rescale(learner.actor, 1.0 / run.invariant_scale)
     learner.actor.save_pretrained(run.dir / "final")
     learner.tokenizer.save_pretrained(run.dir / "final")
-    folded = {"invariant_scale_folded_back": run.invariant_scale, "dtype": "float32"}
-    (run.dir / "final" / "qurl.json").write_text(json.dumps(folded) + "\n")
     summary = {"start_eval_acc": run.first_eval, "final_eval_acc": run.last_eval,
                "wall_s": round(time.time() - run.t_start, 1), "steps": args.steps,
                "skipped_updates": run.skipped, "torch_threads": torch.get_num_threads()}
@@ -1202,9 +1199,7 @@ def resolve_device_dtype(dtype="auto"):
 
 
 def model_path(name):
-    """A model folder (or one beside qurl.py) or a hub name."""
-    if not Path(name).is_dir() and (HERE / name).is_dir():
-        return str(HERE / name)
+    """A model folder or a hub name."""
     if not Path(name).is_dir() and (name.startswith((".", "/")) or name.count("/") != 1):
         raise QurlError(f"model not found: '{name}' is not a folder, nor a hub name")
     return name
@@ -1317,7 +1312,7 @@ def flag_notices(args, typed):
 
 
 def _die(msg):
-    print(f"qurl: error: {msg}", file=sys.stderr)
+    notice(f"error: {msg}")
     sys.exit(2)
 
 

@@ -178,10 +178,6 @@ def test_bf16_keeps_small_updates_and_final_is_a_standard_checkpoint(tmp_path, t
     p3, p0 = dict(f3.named_parameters()), dict(f0.named_parameters())
     moved = sum(int((p3[n] != p0[n]).sum()) for n in dec) / sum(p3[n].numel() for n in dec)
     assert moved >= 0.9 and p3[dec[0]].dtype == torch.float32, moved
-    assert (
-        json.loads((tmp_path / "b3/final/qurl.json").read_text())["invariant_scale_folded_back"]
-        == 1.5
-    )
     orig = dict(tiny[0].named_parameters())
     for n in (
         "model.layers.0.input_layernorm.weight",
@@ -2766,8 +2762,8 @@ def test_the_lesson_file_keeps_its_shape():
     method = sum(len(line.strip()) for line in lines[start:end])
     compiled = next(i for i, line in enumerate(lines) if line.startswith("def compiled_sample"))
     compiled = sum(len(line.strip()) for line in lines[compiled - 1:])  # with its decorator
-    # the issues' bounds: 67,000 / 36,400 / 9,400; the file holds 68,280 (RESULTS 21)
-    assert chars <= 68_280 and method <= 36_400 and compiled <= 9_400, (chars, method, compiled)
+    # the issues' bounds: 67,000 / 36,400 / 9,400; the file holds 67,920 (RESULTS 21)
+    assert chars <= 67_920 and method <= 36_400 and compiled <= 9_400, (chars, method, compiled)
     for path in [Path(qurl.__file__), Path(__file__), *sorted((HERE / "tools").glob("*.py"))]:
         wide = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if len(line) > 100]
         assert not wide, (path.name, wide)

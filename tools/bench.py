@@ -28,13 +28,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+HERE = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(HERE), str(Path(__file__).resolve().parent)]
 import torch  # noqa: E402
 
 import qurl  # noqa: E402
 from dry_run import estimate_memory  # noqa: E402
 from qurl import (  # noqa: E402
-    HERE,
     Args,
     Learner,
     QurlError,
