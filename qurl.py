@@ -955,7 +955,7 @@ class RunState:
     data_pos: int = 0  # problems consumed so far
     first_eval: float | None = None  # the accuracy at the start, the latest
     last_eval: float | None = None
-    skipped: int = 0  # updates skipped (non-finite loss or gradient)
+    skipped: int = 0  # non-finite updates skipped
     t_start: float = 0.0
 
 
@@ -1216,8 +1216,8 @@ def load_model(name="data/tiny-qwen", device="cpu", dtype=torch.float32):
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     except OSError as e:
-        raise QurlError(f"cannot load model '{path}' (offline? try data/tiny-qwen): "
-                        f"{str(e).splitlines()[0]:.200}")
+        raise QurlError(f"cannot load model '{path}' as a folder here or a hub name (offline? "
+                        f"data/tiny-qwen is local): {str(e).splitlines()[0]:.200}")
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

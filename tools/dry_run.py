@@ -87,7 +87,8 @@ def meta_model(name: str):
         config, tokenizer = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     except OSError as e:
         raise qurl.QurlError(
-            f"cannot load model '{path}' (offline? try data/tiny-qwen): {str(e).splitlines()[0]}"
+            f"cannot load model '{path}' as a folder here or a hub name (offline? data/tiny-qwen "
+            f"is local): {str(e).splitlines()[0]}"
         )
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config), tokenizer
