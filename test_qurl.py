@@ -81,6 +81,7 @@ def run_cli(*argv, fresh=False, wait=True, **env_extra):
                 out, err = process.communicate(timeout=120)
             except subprocess.TimeoutExpired:  # as subprocess.run does: none left behind
                 process.kill()
+                process.wait()
                 raise
             return subprocess.CompletedProcess(argv, process.returncode, out, err)
         return result() if wait else result
