@@ -108,7 +108,8 @@ class Args:
     eval_every: int = arg(100, "evaluate every N steps")
     eval_size: int = arg(500, "held-out problems evaluated (0: all)")
     seed: int = arg(1, "the random seed")
-    dtype: str = arg("auto", "compute dtype: auto (bf16 on CUDA), float32, bfloat16")
+    dtype: str = arg("auto", "compute dtype: auto is bf16 on CUDA (fp16 would need loss scaling)",
+                     choices=["auto", "float32", "bfloat16"])
     out_dir: str = arg("runs", "where runs/<run-name>/ is written")
     run_name: str | None = arg(None, "run folder (default <quant>-<loss>-s<seed>)")
     resume: str | None = arg(None, "continue the run in this folder")
@@ -234,10 +235,10 @@ class QuantLinear(nn.Module):
         self.kernel = "emulate"  # FP8: torch._scaled_mm on CUDA 8.9+, else emulated
         if linear.weight.is_cuda and torch.cuda.get_device_capability() >= (8, 9):
             self.kernel = "scaled_mm"
-        self.register_buffer("weight_q", None)
-        self.register_buffer("weight_scale", None)
+        for name in ("weight_q", "weight_scale", "bias"):
+            self.register_buffer(name, None)
         self.register_buffer("weight_deq", None, persistent=False)  # CPU: values
-        self.register_buffer("bias", None)
+
         if linear.bias is not None:
             self.bias = linear.bias.detach().clone()
         self.nf4_state = None
@@ -858,9 +859,8 @@ def token_loss(logp: Tensor, logp_prox: Tensor, logp_behav: Tensor, adv: Tensor,
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """The mean of x where mask is 1 (all, or along dim); 0 where empty."""
-    if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1.0)
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
+
 
 
 def k3(log_ratio: Tensor) -> Tensor:
@@ -1141,6 +1141,7 @@ def run_dir(args):
         number += 1
         folder = Path(args.out_dir) / f"{name}-{number}"
     if folder.exists():
+
         raise QurlError(f"run folder {folder} exists: --resume {folder}, or another --run-name")
     return folder
 
@@ -1198,25 +1199,17 @@ def resolve_device_dtype(dtype="auto"):
     return device, getattr(torch, dtype)
 
 
-def model_path(name):
-    """A model folder or a hub name."""
-    if not Path(name).is_dir() and (name.startswith((".", "/")) or name.count("/") != 1):
-        raise QurlError(f"model not found: '{name}' is not a folder, nor a hub name")
-    return name
-
-
 def load_model(name="data/tiny-qwen", device="cpu", dtype=torch.float32):
     """(model, tokenizer), with left padding and a pad token."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    path = model_path(name)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
     except OSError as e:
-        raise QurlError(f"cannot load model '{path}' as a folder here or a hub name (offline? "
+        raise QurlError(f"cannot load model '{name}' as a folder here or a hub name (offline? "
                         f"data/tiny-qwen is local): {str(e).splitlines()[0]:.200}")
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -1241,32 +1234,33 @@ def check_prompt_lengths(model, tokenizer, problems, max_new_tokens):
     prompts = [format_prompt(p["question"], tokenizer) for p in problems]
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
     i = max(range(len(lengths)), key=lengths.__getitem__)
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and lengths[i] + max_new_tokens > limit:
+    limit = getattr(model.config, "max_position_embeddings", math.inf)
+    if lengths[i] + max_new_tokens > limit:
         raise QurlError(f"problem {i + 1}: {lengths[i]} prompt tokens + --max-new-tokens exceed "
                         f"the model's context of {limit}")
     return lengths[i]
 
 
-def _parser(defaults=True):
-    """argparse from Args; defaults=False: the typed flags alone."""
+def _parser():
+    """argparse from Args: the typed flags alone (Args holds the defaults)."""
     parser = argparse.ArgumentParser(prog="qurl.py", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     argument_default=argparse.SUPPRESS)
     parser.error = lambda msg: _die(f"{msg} (see python qurl.py --help)")  # one line, no usage
     for f in fields(Args):
-        name, meta, kind = "--" + f.name.replace("_", "-"), f.metadata, str(f.type)
-        default = f.default if defaults else argparse.SUPPRESS
+        name, kind = "--" + f.name.replace("_", "-"), str(f.type)
+        meta = f.metadata | {"help": f"{f.metadata['help']} (default: {f.default})"}
         extras = {"type": {"int": int, "str": str, "str | None": str}.get(kind, float)}
         if kind == "bool":
             extras = {"action": argparse.BooleanOptionalAction}
-        parser.add_argument(name, default=default, **extras, **meta)
+        parser.add_argument(name, **extras, **meta)
     return parser
 
 
 def parse_args(argv=None):
     """The flags, checked; --resume DIR starts from the run's args.json, typed flags win."""
-    args = Args(**vars(_parser().parse_args(argv)))
-    typed = vars(_parser(defaults=False).parse_args(argv))
+    typed = vars(_parser().parse_args(argv))
+    args = Args(**typed)
+
     if args.resume:
         saved = Path(args.resume) / "args.json"
         if not saved.is_file():
@@ -1297,8 +1291,6 @@ def validate_args(args):
          "--invariant-scale must be > 0 (1 turns it off)"),
         (args.quant != "none" or not args.align_forward,
          "--align-forward needs a sampler apart from the actor (--quant other than none)"),
-        (args.dtype in ("auto", "float32", "bfloat16"),
-         f"--dtype {args.dtype} is not supported: use bfloat16 (fp16 needs loss scaling)"),
     ]
     return next((complaint for ok, complaint in checks if not ok), None)
 

@@ -1891,10 +1891,11 @@ def test_missing_or_unknown_data_file(tmp_path):
     (["--invariant-scale", "0"], ["--invariant-scale must be > 0"]),
     (["--is-cap", "0.5"], ["--is-cap must be >= 1"]),
     (["--quant", "int4"], ["invalid choice: 'int4'"]),
-    (["--steps", "0", "--model", "no/such/dir"], ["model not found"]),
+    (["--steps", "0", "--model", "no/such/dir"], ["cannot load model 'no/such/dir'"]),
     (["--align-forward", "--quant", "none"], ["--align-forward needs a sampler"]),
     (["--temperature", "0"], ["--temperature must be > 0", "greedy"]),
-    (["--dtype", "float16"], ["--dtype float16 is not supported", "bfloat16"]),
+    (["--dtype", "float16"], ["invalid choice: 'float16'", "bfloat16"]),
+
 ])
 def test_bad_cli_input_one_line(tmp_path, argv, needles):
     assert_one_line_error(run_cli(*argv, "--out-dir", str(tmp_path)), *needles)
@@ -2763,8 +2764,8 @@ def test_the_lesson_file_keeps_its_shape():
     method = sum(len(line.strip()) for line in lines[start:end])
     compiled = next(i for i, line in enumerate(lines) if line.startswith("def compiled_sample"))
     compiled = sum(len(line.strip()) for line in lines[compiled - 1:])  # with its decorator
-    # the issues' bounds: 67,000 / 36,400 / 9,400; the file holds 67,940 (RESULTS 21)
-    assert chars <= 67_940 and method <= 36_400 and compiled <= 9_400, (chars, method, compiled)
+    # the issues' bounds: 67,000 / 36,400 / 9,400; the file holds 67,410 (RESULTS 21)
+    assert chars <= 67_410 and method <= 36_400 and compiled <= 9_400, (chars, method, compiled)
     for path in [Path(qurl.__file__), Path(__file__), *sorted((HERE / "tools").glob("*.py"))]:
         wide = [i + 1 for i, line in enumerate(path.read_text().splitlines()) if len(line) > 100]
         assert not wide, (path.name, wide)

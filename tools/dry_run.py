@@ -82,12 +82,11 @@ def meta_model(name: str):
     weights."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    path = qurl.model_path(name)
     try:
-        config, tokenizer = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+        config, tokenizer = AutoConfig.from_pretrained(name), AutoTokenizer.from_pretrained(name)
     except OSError as e:
         raise qurl.QurlError(
-            f"cannot load model '{path}' as a folder here or a hub name (offline? data/tiny-qwen "
+            f"cannot load model '{name}' as a folder here or a hub name (offline? data/tiny-qwen "
             f"is local): {str(e).splitlines()[0]}"
         )
     with torch.device("meta"):
