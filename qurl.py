@@ -108,7 +108,7 @@ class Args:
     eval_every: int = arg(100, "evaluate every N steps")
     eval_size: int = arg(500, "held-out problems evaluated (0: all)")
     seed: int = arg(1, "the random seed")
-    dtype: str = arg("auto", "compute dtype: auto is bf16 on CUDA (fp16 would need loss scaling)",
+    dtype: str = arg("auto", "compute dtype (auto: bf16 on CUDA; fp16 needs loss scaling)",
                      choices=["auto", "float32", "bfloat16"])
     out_dir: str = arg("runs", "where runs/<run-name>/ is written")
     run_name: str | None = arg(None, "run folder (default <quant>-<loss>-s<seed>)")
@@ -238,7 +238,6 @@ class QuantLinear(nn.Module):
         for name in ("weight_q", "weight_scale", "bias"):
             self.register_buffer(name, None)
         self.register_buffer("weight_deq", None, persistent=False)  # CPU: values
-
         if linear.bias is not None:
             self.bias = linear.bias.detach().clone()
         self.nf4_state = None
@@ -470,12 +469,8 @@ def decode(model, tokenizer, input_ids: Tensor, prompt_mask: Tensor, n: int, max
     attention_mask = prompt_mask.repeat_interleave(n, 0)  # (B, P), then a column a token
     position = attention_mask.sum(-1)  # (B,): the next RoPE position
 
-    tokens = torch.full((B, max_new_tokens), pad, device=device)  # (B, R) by output row
-    fed = _fed(forced, tokens)
-    logp_behav = torch.zeros(B, max_new_tokens, device=device)
-    end = torch.full((B,), max_new_tokens, device=device)  # the first EOS's index
+    tokens, logp_behav, fed, end, done = _buffers(B, max_new_tokens, pad, forced, device)
     out_rows = torch.arange(B, device=device)  # batch row -> output row
-    done = torch.zeros(B, dtype=torch.bool, device=device)
     noise = 1.0  # a fed decode draws nothing
     for t in range(max_new_tokens):
         if forced is None:
@@ -504,12 +499,15 @@ def decode(model, tokenizer, input_ids: Tensor, prompt_mask: Tensor, n: int, max
     return _finish(tokenizer, input_ids, prompt_mask, n, tokens[:, :R], logp_behav[:, :R], end)
 
 
-def _fed(forced: Tensor | None, tokens: Tensor) -> Tensor:
-    """Both decodes' (B, R) tokens to take, `forced` in its columns; -1: draw."""
+def _buffers(B, R, pad, forced, device):
+    """Both decodes' outputs, by output row: (B, R) tokens, log-probs, the tokens to take
+    (`forced` in its columns; -1: draw), (B,) the first EOS's index (R: none), done."""
+    tokens = torch.full((B, R), pad, device=device)
     fed = torch.full_like(tokens, -1)
     if forced is not None:
         fed[:, :forced.shape[1]] = forced
-    return fed
+    logp, end = torch.zeros(B, R, device=device), torch.full((B,), R, device=device)
+    return tokens, logp, fed, end, torch.zeros_like(end, dtype=torch.bool)
 
 
 def _prefill(model, tokenizer, input_ids: Tensor, attention_mask: Tensor):
@@ -862,7 +860,6 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
 
 
-
 def k3(log_ratio: Tensor) -> Tensor:
     """Schulman's k3 estimate of KL(p || q) from samples of p, r = log q/p: e^r - 1 - r."""
     log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -1118,8 +1115,7 @@ def resume_from(learner, run, ckpt):
     if ckpt["sampler"] is not None:
         learner.sampler.load_state_dict(ckpt["sampler"])
     run.step, run.data_pos, run.skipped = ckpt["step"], ckpt["data_pos"], ckpt["skipped"]
-    run.first_eval = ckpt["first_eval"]
-    run.last_eval = ckpt.get("last_eval", run.first_eval)  # older checkpoints lack it
+    run.first_eval, run.last_eval = ckpt["first_eval"], ckpt["last_eval"]
     random.setstate(ckpt["rng"][0])
     torch.set_rng_state(ckpt["rng"][1])
     learner.generator.set_state(ckpt["rng"][2])
@@ -1129,19 +1125,13 @@ def resume_from(learner, run, ckpt):
 
 
 def run_dir(args):
-    """The run folder: a default name taken is numbered (-2, -3, ...); a typed one that exists is
-    refused (nothing is replaced)."""
+    """The run folder; one that exists is refused (nothing is replaced)."""
     if args.resume:
         if not (Path(args.resume) / "ckpt.pt").is_file():
             raise QurlError(f"--resume {args.resume}: no checkpoint there")
         return Path(args.resume)
-    name = args.run_name or f"{args.quant}-{args.loss}-s{args.seed}"
-    folder, number = Path(args.out_dir) / name, 1
-    while args.run_name is None and folder.exists():
-        number += 1
-        folder = Path(args.out_dir) / f"{name}-{number}"
+    folder = Path(args.out_dir) / (args.run_name or f"{args.quant}-{args.loss}-s{args.seed}")
     if folder.exists():
-
         raise QurlError(f"run folder {folder} exists: --resume {folder}, or another --run-name")
     return folder
 
@@ -1214,7 +1204,6 @@ def load_model(name="data/tiny-qwen", device="cpu", dtype=torch.float32):
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
 
 
@@ -1232,13 +1221,12 @@ def prepare_actor(actor, grad_checkpointing=False):
 def check_prompt_lengths(model, tokenizer, problems, max_new_tokens):
     """The widest prompt in tokens; refuses one beyond the context."""
     prompts = [format_prompt(p["question"], tokenizer) for p in problems]
-    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
-    i = max(range(len(lengths)), key=lengths.__getitem__)
+    widest = max(len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
     limit = getattr(model.config, "max_position_embeddings", math.inf)
-    if lengths[i] + max_new_tokens > limit:
-        raise QurlError(f"problem {i + 1}: {lengths[i]} prompt tokens + --max-new-tokens exceed "
+    if widest + max_new_tokens > limit:
+        raise QurlError(f"a prompt of {widest} tokens + --max-new-tokens {max_new_tokens} exceed "
                         f"the model's context of {limit}")
-    return lengths[i]
+    return widest
 
 
 def _parser():
@@ -1260,7 +1248,6 @@ def parse_args(argv=None):
     """The flags, checked; --resume DIR starts from the run's args.json, typed flags win."""
     typed = vars(_parser().parse_args(argv))
     args = Args(**typed)
-
     if args.resume:
         saved = Path(args.resume) / "args.json"
         if not saved.is_file():
@@ -1406,11 +1393,8 @@ class StaticDecoder:
 
     def generate(self, model, input_ids, prompt_mask, n, generator, forced=None):
         """`decode`'s (B, R) tokens, log-probs, (B,) first EOS of (b, P) prompts, n each."""
-        tokens = torch.zeros_like(self.valid[:, self.prompt_len:], dtype=torch.long)  # (B, R)
-        logp = torch.zeros_like(tokens, dtype=torch.float)
-        end = torch.full_like(tokens[:, 0], tokens.shape[1])  # (B,) no EOS
-        done = torch.zeros_like(end, dtype=torch.bool)
-        fed = _fed(forced, tokens)
+        B, R = len(self.valid), self.valid.shape[1] - self.prompt_len
+        tokens, logp, fed, end, done = _buffers(B, R, self.pad, forced, input_ids.device)
         self.valid[:, :self.prompt_len] = prompt_mask.repeat_interleave(n, 0).bool()
         column = torch.full((1,), self.prompt_len, device=input_ids.device)  # next token's
 
