@@ -1115,7 +1115,7 @@ def resume_from(learner, run, ckpt):
     if ckpt["sampler"] is not None:
         learner.sampler.load_state_dict(ckpt["sampler"])
     run.step, run.data_pos, run.skipped = ckpt["step"], ckpt["data_pos"], ckpt["skipped"]
-    run.first_eval, run.last_eval = ckpt["first_eval"], ckpt["last_eval"]
+    run.first_eval, run.last_eval = ckpt["first_eval"], ckpt.get("last_eval", ckpt["first_eval"])
     random.setstate(ckpt["rng"][0])
     torch.set_rng_state(ckpt["rng"][1])
     learner.generator.set_state(ckpt["rng"][2])

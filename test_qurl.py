@@ -2096,6 +2096,20 @@ def test_second_signal_aborts_at_once():
         assert e.value.code == 143
 
 
+def test_a_checkpoint_without_last_eval_resumes_with_its_first(tmp_path):
+    """A checkpoint from before ab35f03 kept the first evaluation alone: it resumes, its last
+    evaluation taken as the first (`resume_from`)."""
+    args = _small_args(tmp_path, run_name="old", quant="none", steps=1, eval_size=4)
+    learner, run = qurl.start_run(args)
+    run.step, run.first_eval, run.last_eval = 1, 0.25, 0.5
+    qurl.save_checkpoint(learner, run)
+    ckpt = torch.load(run.dir / "ckpt.pt", weights_only=True)
+    del ckpt["last_eval"]
+    torch.save(ckpt, run.dir / "ckpt.pt")
+    _, resumed = qurl.start_run(dataclasses.replace(args, resume=str(run.dir), steps=2))
+    assert (resumed.step, resumed.first_eval, resumed.last_eval) == (1, 0.25, 0.25)
+
+
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     """A crash while a checkpoint is written leaves the previous one whole and loadable."""
     args = _small_args(tmp_path, run_name="c", quant="none", steps=1, eval_size=4)
