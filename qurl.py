@@ -1125,7 +1125,7 @@ def resume_from(learner, run, ckpt):
 
 
 def run_dir(args):
-    """The run folder; one that exists is refused (nothing is replaced)."""
+    """The run folder, refused if it exists (nothing is replaced)."""
     if args.resume:
         if not (Path(args.resume) / "ckpt.pt").is_file():
             raise QurlError(f"--resume {args.resume}: no checkpoint there")
@@ -1191,14 +1191,13 @@ def resolve_device_dtype(dtype="auto"):
 
 def load_model(name="data/tiny-qwen", device="cpu", dtype=torch.float32):
     """(model, tokenizer), with left padding and a pad token."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoModelForCausalLM, AutoTokenizer, logging as hf_logging
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # 4.x: HFValidationError
         raise QurlError(f"cannot load model '{name}' as a folder here or a hub name (offline? "
                         f"data/tiny-qwen is local): {str(e).splitlines()[0]:.200}")
     tokenizer.padding_side = "left"

@@ -84,7 +84,7 @@ def meta_model(name: str):
 
     try:
         config, tokenizer = AutoConfig.from_pretrained(name), AutoTokenizer.from_pretrained(name)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # 4.x: a malformed hub name's HFValidationError
         raise qurl.QurlError(
             f"cannot load model '{name}' as a folder here or a hub name (offline? data/tiny-qwen "
             f"is local): {str(e).splitlines()[0]}"
