@@ -1906,7 +1906,6 @@ def test_missing_or_unknown_data_file(tmp_path):
     (["--align-forward", "--quant", "none"], ["--align-forward needs a sampler"]),
     (["--temperature", "0"], ["--temperature must be > 0", "greedy"]),
     (["--dtype", "float16"], ["invalid choice: 'float16'", "bfloat16"]),
-
 ])
 def test_bad_cli_input_one_line(tmp_path, argv, needles):
     assert_one_line_error(run_cli(*argv, "--out-dir", str(tmp_path)), *needles)
