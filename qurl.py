@@ -123,8 +123,9 @@ def train(args) -> dict:
     learner, run = start_run(args)
     with stop_requests():
         for step in range(run.step + 1, args.steps + 1):
+            lr = lr_at(step, args.steps, args.lr, args.lr_schedule)
             for param_group in learner.optimizer.param_groups:
-                param_group["lr"] = lr_at(step, args.steps, args.lr, args.lr_schedule)
+                param_group["lr"] = lr
             problems = [run.train_set[run.order[(run.data_pos + i) % len(run.order)]]
                         for i in range(args.prompts_per_step)]
             metrics = train_step(learner, args, problems, step)
@@ -132,7 +133,7 @@ def train(args) -> dict:
 
             if step % args.eval_every == 0 or step == args.steps:
                 run.last_eval = metrics["eval/acc"] = run_eval(learner, args, run.test_set)
-            log_step(run, args, metrics | {"opt/lr": learner.optimizer.param_groups[0]["lr"]})
+            log_step(run, args, metrics | {"opt/lr": lr})
 
             if STOP or (step % SAVE_EVERY == 0 and step != args.steps):
                 save_checkpoint(learner, run)
